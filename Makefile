@@ -1,0 +1,45 @@
+# make demo — set up (first time) and train the default model on the embedded Shakespeare corpus
+# make test — set up (first time) and run every test and notebook (CPU, small configuration)
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch; GPU users: make TORCH_SPEC="torch" (their platform's CUDA build)
+TORCH_SPEC ?= torch==2.13.0
+DATA ?= data/shakespeare-8k
+RUN ?= runs/demo
+TOKENS ?= 3000000
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench-cpu bench-gpu notebooks clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+$(DATA)/meta.json: | setup
+	$(BIN)/python -m fractus.data prepare --input shakespeare --out $(DATA) --vocab 8192
+
+demo: setup $(DATA)/meta.json
+	rm -rf $(RUN)
+	$(BIN)/python -m fractus.train --preset palier0 --data $(DATA) --out $(RUN) --tokens $(TOKENS)
+
+test: setup
+	FRACTUS_SMOKE=1 $(BIN)/python -m pytest -q tests notebooks --nbval-lax
+
+bench-cpu: setup
+	$(BIN)/python -m fractus.bench cpu --out results
+
+bench-gpu: setup
+	$(BIN)/python -m fractus.bench gpu --out results/gpu
+
+notebooks: setup
+	for nb in notebooks/[0-9]*.ipynb; do \
+	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=7200 $$nb && \
+	  $(BIN)/nbstripout --keep-output --keep-count $$nb || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs

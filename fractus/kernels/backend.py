@@ -1,0 +1,50 @@
+"""Backend choice shared by every op in :mod:`fractus.kernels`.
+
+``"auto"`` runs Triton on CUDA tensors and the fast PyTorch path on CPU tensors.
+``"triton"`` on CPU tensors runs Triton's interpreter; it needs ``TRITON_INTERPRET=1``
+in the environment before :mod:`triton` is first imported (``tests/conftest.py`` sets it).
+``"torch"`` and ``"reference"`` force the PyTorch paths.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pick(backend: str, x: torch.Tensor) -> str:
+    """Resolve ``backend`` for an op whose main input is ``x``; returns 'triton', 'torch' or 'reference'."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if x.is_cuda else "torch"
+    if backend == "triton" and not x.is_cuda and not interpreting():
+        raise RuntimeError(
+            "backend='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported (tests/conftest.py does), or use backend='torch'"
+        )
+    return backend
+
+
+_POISON = os.environ.get("FRACTUS_POISON", "0") == "1"
+
+
+def set_poison(on: bool) -> None:
+    """Make :func:`empty` fill new buffers with NaN (tests use it so unwritten elements fail)."""
+    global _POISON
+    _POISON = on
+
+
+def empty(*shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs; NaN-filled while poisoning is on."""
+    out = torch.empty(*shape, dtype=dtype, device=device)
+    if _POISON and out.is_floating_point():
+        out.fill_(float("nan"))
+    return out

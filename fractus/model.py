@@ -1,0 +1,438 @@
+"""The Fractus CTE language model (see ``shared/SPEC.md`` for the math).
+
+A stack of pre-norm blocks, each: multi-level causal linear attention with a carried state
+(S, z) per (level, head) → a Kuramoto phase clock integrated per token → phase-routed top-k
+sparse low-rank experts. Tied head behind a final LayerNorm. The only state that crosses
+positions is the attention state, so ``forward`` over a chunk and ``step`` token by token
+compute the same logits.
+
+Shapes: B streams, T positions, d = d_model, H heads of D, Lv levels, E experts, K = top_k.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fractus.kernels.cross_entropy import linear_cross_entropy
+from fractus.kernels.linear_attention import linear_attention
+from fractus.kernels.moe import moe
+
+PHI = (1 + 5 ** 0.5) / 2
+
+State = list[tuple[torch.Tensor, torch.Tensor]]  # per block: (S [B, Lv, H, D, D], z [B, Lv, H, D]) fp32
+
+
+@dataclass
+class FractusConfig:
+    vocab_size: int = 8192
+    d_model: int = 128
+    n_heads: int = 2
+    n_layers: int = 2
+    n_levels: int = 2
+    attn_decay: float | tuple[float, ...] = 1.0  # γ for every head, or one per head
+    n_experts: int = 4
+    top_k: int = 2
+    expert_d_ff: int = 128
+    expert_rank: int = 32  # 0 = dense experts
+    n_oscillators: int = 8
+    coupling_rank: int = 4
+    kuramoto_steps: int = 2
+    kuramoto_dt: float = 0.1
+    kuramoto_damping: float = 0.1
+    detach_kuramoto: bool = False
+    router: str = "phase"  # "phase" (von Mises gate on the Kuramoto angle) or "linear"
+    gate_kappa: float = 4.0  # κ, initial value of the learned gate concentration
+    gate_tau: float = 1.0  # τ
+    lb_coef: float = 0.01
+    tie_head: bool = True
+    chunk_len: int = 32
+    eps: float = 1e-6
+    backend: str = "auto"  # kernels: auto | triton | torch | reference
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+        if self.router not in ("phase", "linear"):
+            raise ValueError(f"router must be 'phase' or 'linear', got {self.router!r}")
+        if isinstance(self.attn_decay, (list, tuple)):
+            self.attn_decay = tuple(float(g) for g in self.attn_decay)
+            if len(self.attn_decay) != self.n_heads:
+                raise ValueError(f"attn_decay has {len(self.attn_decay)} values for {self.n_heads} heads")
+        if not all(0 < g <= 1 for g in self.decays):
+            raise ValueError(f"attn_decay must lie in (0, 1], got {self.attn_decay}")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def decays(self) -> tuple[float, ...]:
+        g = self.attn_decay
+        return tuple(g) if isinstance(g, tuple) else (float(g),) * self.n_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "FractusConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if isinstance(d["attn_decay"], tuple):
+            d["attn_decay"] = list(d["attn_decay"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FractusConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}")
+        return cls(**d)
+
+
+def _preset(d, h, layers, e, f, r, n_osc, k_rank, vocab):
+    return dict(d_model=d, n_heads=h, n_layers=layers, n_experts=e, expert_d_ff=f, expert_rank=r,
+                n_oscillators=n_osc, coupling_rank=k_rank, vocab_size=vocab, n_levels=2, top_k=2,
+                chunk_len=32)
+
+
+PRESETS = {
+    "tiny": _preset(32, 2, 2, 4, 32, 8, 4, 2, 512),
+    "palier0": _preset(128, 2, 2, 4, 128, 32, 8, 4, 8192),
+    "palier1": _preset(256, 4, 4, 8, 256, 32, 8, 4, 8192),
+    "palier2": _preset(512, 8, 8, 16, 512, 64, 8, 4, 8192),
+    "palier3": _preset(768, 12, 12, 32, 768, 64, 8, 4, 8192),
+    "1b": _preset(1280, 20, 16, 128, 2048, 64, 16, 8, 50257),
+}
+
+
+def level_omegas(n_levels: int) -> list[float]:
+    """Feature-map offsets ω_l = φ^(−2l)."""
+    return [PHI ** (-2 * l) for l in range(n_levels)]
+
+
+def farey_phases(n_experts: int) -> torch.Tensor:
+    """[E] expert phases 2π·a/b: E fractions picked evenly from the Farey sequence F_{2E} on [0, 1)."""
+    n = 2 * n_experts
+    seq = sorted({Fraction(a, b) for b in range(1, n + 1) for a in range(0, b)})
+    pick = [seq[(i * len(seq)) // n_experts] for i in range(n_experts)]
+    return torch.tensor([2 * math.pi * float(f) for f in pick])
+
+
+class LinearAttention(nn.Module):
+    """Multi-level causal linear attention; carries (S, z) per (level, head)."""
+
+    def __init__(self, cfg: FractusConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.ln = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.level_logits = nn.Parameter(torch.zeros(cfg.n_levels))
+        self.register_buffer("decay", torch.tensor(cfg.decays), persistent=False)
+        self.omegas = level_omegas(cfg.n_levels)
+
+    def forward(self, h: torch.Tensor, state):
+        """h [B, T, d], state (S, z) or None → (residual update [B, T, d], new state)."""
+        B, T, d = h.shape
+        H, D = self.cfg.n_heads, self.cfg.d_head
+        q, k, v = self.qkv(self.ln(h)).view(B, T, 3, H, D).unbind(2)
+        decay = None if bool((self.decay == 1).all()) else self.decay
+        o, new_state = linear_attention(q, k, v, self.level_logits.softmax(0), self.omegas,
+                                        decay=decay, state=state, eps=self.cfg.eps,
+                                        backend=self.cfg.backend)
+        return self.out(o.reshape(B, T, d)), new_state
+
+
+class KuramotoClock(nn.Module):
+    """Per-token Kuramoto phase clock: u [.., d] → routing angle ψ [..]."""
+
+    def __init__(self, cfg: FractusConfig):
+        super().__init__()
+        self.cfg = cfg
+        N = cfg.n_oscillators
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.encoder = nn.Linear(cfg.d_model, N)  # W_θ, b_θ
+        self.omega = nn.Parameter(0.1 * torch.randn(N))  # natural frequencies ω_i
+        self.U = nn.Parameter(torch.randn(N, cfg.coupling_rank) / math.sqrt(N))
+        self.lam = nn.Parameter(torch.full((cfg.coupling_rank,), 0.5))
+        self.register_buffer("offsets", 2 * math.pi * torch.arange(N) / N, persistent=False)
+
+    def rate(self, theta: torch.Tensor) -> torch.Tensor:
+        """dθ/dt = ω − damping·θ + Σ_j K_ij sin(θ_j − θ_i), K = U diag(λ) Uᵀ, in O(N·rank)."""
+        s, c = theta.sin(), theta.cos()
+        Ks = (s @ self.U) * self.lam @ self.U.T
+        Kc = (c @ self.U) * self.lam @ self.U.T
+        return self.omega - self.cfg.kuramoto_damping * theta + c * Ks - s * Kc
+
+    def integrate(self, u: torch.Tensor) -> torch.Tensor:
+        theta = self.encoder(u) + self.offsets
+        dt = self.cfg.kuramoto_dt
+        for _ in range(self.cfg.kuramoto_steps):
+            k1 = self.rate(theta)
+            k2 = self.rate(theta + 0.5 * dt * k1)
+            k3 = self.rate(theta + 0.5 * dt * k2)
+            k4 = self.rate(theta + dt * k3)
+            theta = torch.remainder(theta + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4), 2 * math.pi)
+        return torch.atan2(theta.sin().sum(-1), theta.cos().sum(-1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        u = self.ln(h)
+        if self.cfg.detach_kuramoto:
+            with torch.no_grad():
+                return self.integrate(u)
+        return self.integrate(u)
+
+
+class PhaseRoutedMoE(nn.Module):
+    """Top-k experts chosen per token by a von Mises gate on ψ (or a linear router)."""
+
+    def __init__(self, cfg: FractusConfig):
+        super().__init__()
+        self.cfg = cfg
+        E, d, Fd, r = cfg.n_experts, cfg.d_model, cfg.expert_d_ff, cfg.expert_rank
+        self.ln = nn.LayerNorm(d)
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        if cfg.router == "phase":
+            self.register_buffer("phases", farey_phases(E))
+            self.log_kappa = nn.Parameter(torch.tensor(math.log(cfg.gate_kappa)))
+        else:
+            self.router = nn.Linear(d, E, bias=False)
+        if r > 0:
+            self.V1 = nn.Parameter(torch.randn(E, d, r) / math.sqrt(d))
+            self.U1 = nn.Parameter(torch.randn(E, Fd, r) / math.sqrt(r))
+            self.s1 = nn.Parameter(torch.ones(E))
+            self.V2 = nn.Parameter(torch.randn(E, Fd, r) / math.sqrt(Fd))
+            self.U2 = nn.Parameter(torch.randn(E, d, r) * out_std / math.sqrt(r))
+            self.s2 = nn.Parameter(torch.ones(E))
+        else:
+            self.W1 = nn.Parameter(torch.randn(E, d, Fd) / math.sqrt(d))
+            self.W2 = nn.Parameter(torch.randn(E, Fd, d) * out_std)
+        self.b1 = nn.Parameter(torch.zeros(E, Fd))
+        self.b2 = nn.Parameter(torch.zeros(E, d))
+
+    def experts(self) -> dict[str, torch.Tensor]:
+        names = ("V1", "U1", "b1", "s1", "V2", "U2", "b2", "s2") if self.cfg.expert_rank > 0 \
+            else ("W1", "b1", "W2", "b2")
+        return {n: getattr(self, n) for n in names}
+
+    def gate_logits(self, m: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
+        """[.., E]: (κ/τ)·cos(ψ − φ_e), or m·W_r for the linear router."""
+        if self.cfg.router == "linear":
+            return self.router(m)
+        return self.log_kappa.exp() / self.cfg.gate_tau * torch.cos(psi.unsqueeze(-1) - self.phases)
+
+    def forward(self, h: torch.Tensor, psi: torch.Tensor):
+        """h [B, T, d], ψ [B, T] → (update [B, T, d], probs [B, T, E], expert ids [B, T, K])."""
+        B, T, d = h.shape
+        m = self.ln(h)
+        p = self.gate_logits(m, psi).float().softmax(-1)
+        top_p, idx = p.topk(self.cfg.top_k, dim=-1)
+        w = top_p / top_p.sum(-1, keepdim=True)
+        out = moe(m.reshape(B * T, d), idx.reshape(B * T, -1), w.reshape(B * T, -1).to(m.dtype),
+                  self.experts(), backend=self.cfg.backend)
+        return out.view(B, T, d), p, idx
+
+
+def load_balance(p: torch.Tensor) -> torch.Tensor:
+    """lb = E·Σ_e (P_e − 1/E)², P_e = mean of p_e [.., E] over the tokens."""
+    E = p.shape[-1]
+    P = p.reshape(-1, E).mean(0)
+    return E * ((P - 1 / E) ** 2).sum()
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: FractusConfig):
+        super().__init__()
+        self.attn = LinearAttention(cfg)
+        self.clock = KuramotoClock(cfg)
+        self.moe = PhaseRoutedMoE(cfg)
+
+    def forward(self, h, state):
+        a, state = self.attn(h, state)
+        h = h + a
+        psi = self.clock(h)
+        out, p, idx = self.moe(h, psi)
+        return h + out, state, p, idx
+
+
+class FractusCTE(nn.Module):
+    def __init__(self, cfg: FractusConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = None if cfg.tie_head else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if self.head is not None:
+            nn.init.normal_(self.head.weight, std=0.02)
+
+    # -- state --------------------------------------------------------------------------
+    def init_state(self, batch_size: int, device=None) -> State:
+        """Zero (S, z) for every block: S [B, Lv, H, D, D], z [B, Lv, H, D] in fp32."""
+        c = self.cfg
+        device = device or self.embed.weight.device
+        return [(torch.zeros(batch_size, c.n_levels, c.n_heads, c.d_head, c.d_head, device=device),
+                 torch.zeros(batch_size, c.n_levels, c.n_heads, c.d_head, device=device))
+                for _ in range(c.n_layers)]
+
+    @staticmethod
+    def detach_state(state: State | None) -> State | None:
+        return None if state is None else [(S.detach(), z.detach()) for S, z in state]
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def num_params(self, active: bool = False, embedding: bool = True) -> int:
+        """All parameters, or those one token uses (top_k of n_experts experts per block)."""
+        n = sum(p.numel() for p in self.parameters())
+        if active:
+            per_expert = sum(p[0].numel() for p in self.blocks[0].moe.experts().values())
+            n -= self.cfg.n_layers * (self.cfg.n_experts - self.cfg.top_k) * per_expert
+        if not embedding:
+            n -= self.embed.weight.numel()
+        return n
+
+    # -- forward ------------------------------------------------------------------------
+    def check_tokens(self, idx: torch.Tensor) -> None:
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"token ids must be int64/int32, got {idx.dtype}")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min "
+                             f"{int(idx.min())}, max {int(idx.max())}")
+
+    def run_blocks(self, x: torch.Tensor, state: State | None):
+        """x [B, T, d] → (final normed hidden [B, T, d], new state, lb total, routing)."""
+        new_state, lb, routing = [], x.new_zeros((), dtype=torch.float32), []
+        h = x
+        for i, block in enumerate(self.blocks):
+            h, s, p, idx = block(h, None if state is None else state[i])
+            new_state.append(s)
+            lb = lb + load_balance(p)
+            routing.append((idx.detach(), p.detach()))
+        return self.ln_f(h), new_state, lb, routing
+
+    def forward(self, idx: torch.Tensor, state: State | None = None, targets: torch.Tensor | None = None,
+                head_positions: str = "all"):
+        """idx [B, T] → (logits [B, T, V] or None when targets are given, parts, new state).
+
+        parts: ``loss`` = ce + lb_coef·lb (None without targets), ``ce`` (nats/token, mean over
+        supervised positions), ``lb`` (sum over blocks), ``n`` (supervised positions),
+        ``routing`` [(expert ids [B, T, K], probs [B, T, E]) per block]. With targets the
+        fused tied-head cross-entropy runs and logits are not formed. ``head_positions="last"``
+        supervises only the chunk's last position (the original's head-partial).
+        """
+        self.check_tokens(idx)
+        return self.forward_embeds(self.embed(idx), state, targets, head_positions)
+
+    def forward_embeds(self, x, state=None, targets=None, head_positions="all"):
+        """As :meth:`forward` from input vectors x [B, T, d] instead of token ids."""
+        h, new_state, lb, routing = self.run_blocks(x, state)
+        parts = {"lb": lb, "routing": routing, "loss": None, "ce": None, "n": 0}
+        if targets is None:
+            return self.logits(h), parts, new_state
+        B, T, d = h.shape
+        if targets.shape != (B, T):
+            raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {(B, T)}")
+        positions = None
+        if head_positions == "last":
+            positions = torch.arange(T - 1, B * T, T, device=h.device)
+        elif head_positions != "all":
+            raise ValueError(f"head_positions must be 'all' or 'last', got {head_positions!r}")
+        ce = linear_cross_entropy(h.reshape(B * T, d), self.head_weight(), targets.reshape(-1),
+                                  positions=positions, backend=self.cfg.backend)
+        parts.update(ce=ce, loss=ce + self.cfg.lb_coef * lb,
+                     n=B if positions is not None else int((targets != -100).sum()))
+        return None, parts, new_state
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.head_weight())
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor, state: State | None):
+        """One position: token [B] → (logits [B, V], new state)."""
+        logits, _, state = self.forward(token.view(-1, 1), state)
+        return logits[:, 0], state
+
+    @torch.no_grad()
+    def tick_vec(self, vec: torch.Tensor, state: State | None):
+        """One position whose input is a d-vector (an image patch, a 'thinking' tick):
+        vec [B, d] → (logits [B, V], new state)."""
+        if vec.shape[-1] != self.cfg.d_model:
+            raise ValueError(f"tick_vec expects [B, {self.cfg.d_model}], got {tuple(vec.shape)}")
+        logits, _, state = self.forward_embeds(vec.view(-1, 1, self.cfg.d_model), state)
+        return logits[:, 0], state
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 repetition_penalty: float = 1.0, seed: int | None = None) -> list[int]:
+        """Prefill the prompt with the chunked forward, then sample tick by tick.
+
+        temperature 0 is greedy. repetition_penalty > 1 divides positive (multiplies negative)
+        logits of tokens already in the context. Returns the new token ids.
+        """
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=self.embed.weight.device)
+        if ids.numel() == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        gen = torch.Generator(device=ids.device)
+        gen.manual_seed(seed if seed is not None else torch.seed())
+        was_training = self.training
+        self.eval()
+        logits, _, state = self.forward(ids.view(1, -1))
+        logits = logits[0, -1]
+        seen = torch.zeros(self.cfg.vocab_size, dtype=torch.bool, device=ids.device)
+        seen[ids] = True
+        out = []
+        for _ in range(max_new_tokens):
+            nxt = sample(logits.float(), temperature, top_k, top_p, repetition_penalty, seen, gen)
+            out.append(nxt)
+            seen[nxt] = True
+            logits, state = self.step(torch.tensor([nxt], device=ids.device), state)
+            logits = logits[0]
+        self.train(was_training)
+        return out
+
+    # -- checkpoints --------------------------------------------------------------------
+    def save(self, path, **extra) -> None:
+        """Write config + weights (+ ``extra`` entries) atomically; see :mod:`fractus.checkpoint`."""
+        from fractus.checkpoint import save_checkpoint
+        save_checkpoint(path, {"config": self.cfg.to_dict(), "model": self.state_dict(), **extra})
+
+    @classmethod
+    def load(cls, path, map_location="cpu") -> "FractusCTE":
+        from fractus.checkpoint import load_checkpoint, load_model_state
+        ckpt = load_checkpoint(path, map_location)
+        model = cls(FractusConfig.from_dict(ckpt["config"]))
+        load_model_state(model, ckpt["model"], path)
+        return model
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+           repetition_penalty: float, seen: torch.Tensor, gen: torch.Generator) -> int:
+    """Pick one token id from logits [V]."""
+    if repetition_penalty != 1.0:
+        pen = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, pen, logits)
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=gen))

@@ -1,0 +1,407 @@
+"""Trainer and CLI: ``python -m fractus.train --preset palier0 --data DIR --tokens N --out DIR``.
+
+The training split is cut into B contiguous streams; each micro-step reads the next C-token
+chunk of every stream and carries the attention state (S, z), detached, across chunks. An
+optimizer step accumulates ``--accum`` micro-steps. Validation reports cross-entropy in
+nats/token, bits per byte and perplexity on the held-out split. Checkpoints hold model,
+optimizer, scheduler, data position, carried state and RNG, and are written atomically;
+``--resume`` continues exactly. SIGINT/SIGTERM save and exit. Several processes:
+``torchrun --nproc_per_node=N -m fractus.train …`` (DDP; gloo on CPU, NCCL on CUDA).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from fractus.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from fractus.data import TokenStreams, load_meta, load_tokens
+from fractus.model import PRESETS, FractusConfig, FractusCTE
+from fractus.tokenizer import get_tokenizer, token_byte_lengths
+
+PROMPTS = ("The meaning of life is", "Hello, my name is", "Once upon a time")
+METRIC_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "tok_s", "skipped",
+                 "val_ce", "val_bpb", "val_ppl", "elapsed_s")
+# Arguments that must match when resuming (the rest, e.g. --tokens, may change).
+RESUME_KEYS = ("preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "set")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m fractus.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = ap.add_argument
+    a("--preset", default="palier0", choices=sorted(PRESETS))
+    a("--data", required=True, help="directory written by `python -m fractus.data prepare`")
+    a("--out", required=True, help="run directory: checkpoints, metrics.csv")
+    a("--tokens", type=int, default=3_000_000, help="training tokens (all processes together)")
+    a("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. n_layers=4")
+    a("--batch-size", type=int, default=8, help="streams per process (B)")
+    a("--chunk-len", type=int, default=32, help="positions per chunk (C)")
+    a("--accum", type=int, default=8, help="micro-steps per optimizer step")
+    a("--head-positions", default="all", choices=("all", "last"))
+    a("--detach-kuramoto", action="store_true")
+    a("--optimizer", default="adamw", choices=("sgd", "adamw", "rmsprop"))
+    a("--lr", type=float, default=None, help="peak learning rate (default: 2e-3 adamw/rmsprop, 0.1 sgd)")
+    a("--weight-decay", type=float, default=0.01)
+    a("--warmup", type=int, default=50, help="warm-up optimizer steps")
+    a("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of --lr")
+    a("--grad-clip", type=float, default=1.0)
+    a("--lb-coef", type=float, default=None, help="load-balance coefficient (default: config's)")
+    a("--active-blocks", type=int, default=0, help="PGSU: blocks that get weight gradients per step (0 = all)")
+    a("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast (default: on for CUDA)")
+    a("--compile", action="store_true", help="torch.compile the model")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--backend", default="auto", choices=("auto", "triton", "torch", "reference"))
+    a("--eval-every", type=int, default=200, help="optimizer steps between validations (0 = end only)")
+    a("--eval-tokens", type=int, default=65_536, help="validation tokens per periodic evaluation")
+    a("--ckpt-every", type=int, default=200, help="optimizer steps between checkpoints")
+    a("--max-nan", type=int, default=3, help="stop after this many consecutive non-finite steps")
+    a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    a("--sample-tokens", type=int, default=40, help="tokens generated per prompt at the end (0 = none)")
+    a("--seed", type=int, default=1337)
+    a("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    a("--no-progress", action="store_true", help="no tqdm bar")
+    return ap
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    out = {}
+    for kv in pairs:
+        if "=" not in kv:
+            raise ValueError(f"--set expects KEY=VALUE, got {kv!r}")
+        k, v = kv.split("=", 1)
+        for conv in (int, float):
+            try:
+                out[k] = conv(v)
+                break
+            except ValueError:
+                continue
+        else:
+            out[k] = {"true": True, "false": False}.get(v.lower(), v)
+    return out
+
+
+def make_config(args, vocab_size: int) -> FractusConfig:
+    over = parse_overrides(args.set)
+    over.setdefault("vocab_size", vocab_size)
+    over.update(chunk_len=args.chunk_len, backend=args.backend)
+    if args.detach_kuramoto:
+        over["detach_kuramoto"] = True
+    if args.lb_coef is not None:
+        over["lb_coef"] = args.lb_coef
+    cfg = FractusConfig.preset(args.preset, **over)
+    if cfg.vocab_size != vocab_size:
+        raise ValueError(f"the model's vocab_size {cfg.vocab_size} differs from the data's {vocab_size}")
+    return cfg
+
+
+def make_optimizer(model, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def lr_lambda(warmup: int, total: int, floor: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def autocast(device: torch.device, bf16: bool):
+    if bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: FractusCTE, tokens, batch_size: int, chunk_len: int, max_tokens: int | None,
+             token_bytes: torch.Tensor, device: torch.device, bf16: bool = False) -> dict:
+    """Held-out CE (nats/token), bits per byte and perplexity over up to ``max_tokens`` targets,
+    read as ``batch_size`` contiguous streams with carried state."""
+    was = model.training
+    model.eval()
+    streams = TokenStreams(tokens, batch_size, chunk_len)
+    n_chunks = streams.chunks_per_epoch
+    if max_tokens:
+        n_chunks = max(1, min(n_chunks, max_tokens // (batch_size * chunk_len)))
+    ce_sum, n_tok, n_bytes, state = 0.0, 0, 0, None
+    for _ in range(n_chunks):
+        x, y, _ = streams.next()
+        x, y = x.to(device), y.to(device)
+        with autocast(device, bf16):
+            _, parts, state = model(x, state, y)
+        ce_sum += parts["ce"].item() * y.numel()
+        n_tok += y.numel()
+        n_bytes += int(token_bytes[y.cpu()].sum())
+    model.train(was)
+    ce = ce_sum / n_tok
+    return {"val_ce": ce, "val_bpb": ce_sum / math.log(2) / max(1, n_bytes), "val_ppl": math.exp(ce),
+            "val_tokens": n_tok}
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class Stop:
+    """Set by SIGINT/SIGTERM: the trainer finishes its step, saves and exits."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def setup_distributed(device: str):
+    """(rank, world, device) — from torchrun's environment, or a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device(device)
+    rank = int(os.environ["RANK"])
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl")
+        return rank, world, torch.device("cuda", local)
+    dist.init_process_group("gloo")
+    return rank, world, torch.device(device)
+
+
+def rng_state() -> dict:
+    st = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def append_metrics(path: Path, row: dict) -> None:
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
+        if new:
+            w.writeheader()
+        w.writerow({k: row.get(k, "") for k in METRIC_FIELDS})
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop rows logged after the checkpoint we resume from (they will be produced again)."""
+    if not path.exists():
+        return
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if int(r["step"]) <= last_step]
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def choose_active_blocks(n_layers: int, k: int, seed: int, step: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return sorted(torch.randperm(n_layers, generator=g)[:k].tolist())
+
+
+def train(argv=None) -> dict:
+    """Run the CLI; returns the final metrics."""
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world, device = setup_distributed(args.device)
+    master = rank == 0
+    out = Path(args.out)
+    ckpt_path, metrics_path = out / "ckpt.pt", out / "metrics.csv"
+    meta = load_meta(args.data)
+    train_tok, val_tok = load_tokens(args.data, "train", meta), load_tokens(args.data, "val", meta)
+    streams = TokenStreams(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world)
+    cfg = make_config(args, meta["vocab_size"])
+    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 2e-3)
+    tokens_per_step = world * args.batch_size * args.chunk_len * args.accum
+    total_steps = max(1, math.ceil(args.tokens / tokens_per_step))
+    if args.active_blocks and (args.active_blocks > cfg.n_layers or world > 1):
+        raise ValueError("--active-blocks must be ≤ n_layers, and is single-process only")
+
+    torch.manual_seed(args.seed)
+    model = FractusCTE(cfg).to(device)
+    opt = make_optimizer(model, args.optimizer, lr, args.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, total_steps, args.min_lr_ratio))
+    step, state, elapsed = 0, None, 0.0
+    if args.resume:
+        if not ckpt_path.exists():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+        ck = load_checkpoint(ckpt_path, map_location=device)
+        saved = ck["args"]
+        diff = {k: (saved.get(k), getattr(args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(args, k)}
+        if diff:
+            raise ValueError(f"--resume with different settings than the checkpoint: {diff}")
+        load_model_state(model, ck["model"], ckpt_path)
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        step, elapsed, streams.position = ck["step"], ck["elapsed_s"], ck["data_position"]
+        state = ck["state"]
+        set_rng_state(ck["rng"])
+        if master:
+            truncate_metrics(metrics_path, step)
+            print(f"resumed from {ckpt_path} at step {step} ({step * tokens_per_step:,} tokens)")
+    elif master and ckpt_path.exists():
+        raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue it, or choose another --out")
+
+    net = model
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    fwd = torch.compile(net) if args.compile else net
+    token_bytes = token_byte_lengths(get_tokenizer(cfg.vocab_size))
+
+    def save():
+        if master:
+            save_checkpoint(ckpt_path, {
+                "config": cfg.to_dict(), "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "step": step, "data_position": streams.position,
+                "state": FractusCTE.detach_state(state), "rng": rng_state(), "elapsed_s": elapsed,
+                "args": vars(args), "meta": {"vocab_size": meta["vocab_size"], "source": meta["source"]}})
+
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"Fractus CTE {args.preset}: {model.num_params():,} parameters "
+              f"({model.num_params(active=True):,} active per token), vocab {cfg.vocab_size}, "
+              f"{device}{' bf16' if bf16 else ''}, {world} process(es)")
+        print(f"global batch {world}×{args.batch_size} streams × {args.chunk_len} × accum {args.accum} = "
+              f"{tokens_per_step:,} tokens/step, lr {lr:g} ({args.optimizer}), {total_steps} steps")
+    bar = tqdm(total=total_steps, initial=step, disable=not master or args.no_progress,
+               unit="step", dynamic_ncols=True)
+    nan_run, last = 0, {}
+    with Stop() as stop:
+        while step < total_steps and not stop.requested:
+            t0 = time.perf_counter()
+            if args.active_blocks:
+                act = set(choose_active_blocks(cfg.n_layers, args.active_blocks, args.seed, step))
+                for i, blk in enumerate(model.blocks):
+                    blk.requires_grad_(i in act)
+            state_before, pos_before = state, streams.position
+            ce_sum, lb_sum, finite = 0.0, 0.0, True
+            for _ in range(args.accum):
+                x, y, new_epoch = streams.next()
+                x, y = x.to(device), y.to(device)
+                if new_epoch:
+                    state = None
+                with autocast(device, bf16):
+                    _, parts, state = fwd(x, state, y, args.head_positions)
+                state = FractusCTE.detach_state(state)
+                loss = parts["loss"]
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                (loss / args.accum).backward()
+                ce_sum += parts["ce"].item()
+                lb_sum += parts["lb"].item()
+            if world > 1:
+                flag = torch.tensor([float(finite)], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                finite = bool(flag.item())
+            if not finite:
+                opt.zero_grad(set_to_none=True)
+                state = state_before
+                streams.position = pos_before + args.accum  # skip the bad data, keep the state
+                nan_run += 1
+                tqdm.write(f"step {step}: non-finite loss, step skipped ({nan_run}/{args.max_nan} in a row)")
+                if nan_run >= args.max_nan:
+                    save()
+                    raise NonFiniteLoss(f"{nan_run} consecutive non-finite losses at step {step}; "
+                                        f"last good state saved to {ckpt_path}")
+                continue
+            nan_run = 0
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            step += 1
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            last = {"step": step, "tokens": step * tokens_per_step, "lr": sched.get_last_lr()[0],
+                    "train_ce": ce_sum / args.accum, "train_lb": lb_sum / args.accum,
+                    "tok_s": tokens_per_step / dt, "elapsed_s": elapsed}
+            bar.update(1)
+            bar.set_postfix(ce=f"{last['train_ce']:.3f}", tok_s=f"{last['tok_s']:,.0f}")
+            if args.eval_every and step % args.eval_every == 0 and step < total_steps and master:
+                last.update(evaluate(model, val_tok, args.batch_size, args.chunk_len, args.eval_tokens,
+                                     token_bytes, device, bf16))
+                tqdm.write(f"step {step}: val CE {last['val_ce']:.4f} nats/token, "
+                           f"{last['val_bpb']:.4f} bits/byte, ppl {last['val_ppl']:.1f}")
+            if master:
+                append_metrics(metrics_path, last)
+            if args.ckpt_every and step % args.ckpt_every == 0:
+                save()
+    bar.close()
+    save()
+    if stop.requested:
+        if master:
+            print(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; rerun with --resume")
+        return last
+    if master:
+        final = evaluate(model, val_tok, args.batch_size, args.chunk_len, None, token_bytes, device, bf16)
+        last.update(final)
+        append_metrics(metrics_path, {**last, "step": step})
+        unigram = meta["val"]["unigram_entropy_nats"]
+        print(f"validation ({final['val_tokens']:,} tokens): CE {final['val_ce']:.4f} nats/token, "
+              f"{final['val_bpb']:.4f} bits/byte, perplexity {final['val_ppl']:.1f}; "
+              f"unigram entropy of the split {unigram:.4f} nats/token")
+        if args.sample_tokens:
+            enc = get_tokenizer(cfg.vocab_size)
+            for p in PROMPTS:
+                ids = model.generate(enc.encode_ordinary(p), args.sample_tokens, temperature=0.9,
+                                     top_k=50, seed=args.seed)
+                print(f"--- {p!r} →{enc.decode(ids)!r}")
+    if world > 1:
+        dist.destroy_process_group()
+    return last
+
+
+def main() -> None:
+    try:
+        train()
+    except (ValueError, FileNotFoundError, FileExistsError, NonFiniteLoss) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""Test set-up: Triton kernels run in the interpreter on CPU, outputs are NaN-poisoned."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fractus.kernels import backend  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_poison():
+    torch.manual_seed(0)
+    backend.set_poison(True)
+    yield
+    backend.set_poison(False)

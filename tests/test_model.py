@@ -1,0 +1,180 @@
+"""The model: decode equals the chunked forward, causality, presets, bad input, checkpoints."""
+import itertools
+import random
+
+import pytest
+import torch
+
+from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
+from fractus.model import FractusConfig, FractusCTE, farey_phases, level_omegas
+from util import assert_rel
+
+
+def random_configs(n=6):
+    rng = random.Random(1)
+    for _ in range(n):
+        heads = rng.choice([1, 2, 4])
+        yield FractusConfig(
+            vocab_size=97, d_model=16 * heads, n_heads=heads, n_layers=rng.choice([1, 2]),
+            n_levels=rng.choice([1, 2, 3]),
+            attn_decay=rng.choice([1.0, tuple(rng.uniform(0.8, 1.0) for _ in range(heads))]),
+            n_experts=rng.choice([3, 4, 6]), top_k=rng.choice([1, 2]), expert_d_ff=24,
+            expert_rank=rng.choice([0, 4]), n_oscillators=rng.choice([4, 8]), coupling_rank=2,
+            router=rng.choice(["phase", "linear"]), detach_kuramoto=rng.choice([True, False]))
+
+
+@pytest.mark.parametrize("cfg", list(random_configs()), ids=lambda c: f"L{c.n_levels}H{c.n_heads}r{c.expert_rank}{c.router}")
+def test_decode_equals_chunked_forward(cfg):
+    model = FractusCTE(cfg).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 37))
+    with torch.no_grad():
+        full, _, _ = model(x)
+        a, _, st = model(x[:, :20])
+        b, _, _ = model(x[:, 20:], st)
+        state, ticks = None, []
+        for t in range(x.shape[1]):
+            logits, state = model.step(x[:, t], state)
+            ticks.append(logits)
+    assert_rel(torch.cat([a, b], 1), full, 1e-5, "two chunks with carried state vs one")
+    assert_rel(torch.stack(ticks, 1), full, 1e-5, "step-by-step vs chunked forward")
+
+
+def test_causality():
+    cfg = FractusConfig.preset("tiny", vocab_size=101)
+    model = FractusCTE(cfg).eval()
+    x = torch.randint(0, 101, (2, 30))
+    t = 17
+    y = x.clone()
+    y[:, t] = (y[:, t] + 1) % 101
+    with torch.no_grad():
+        lx, px, _ = model(x)
+        ly, py, _ = model(y)
+    assert torch.equal(lx[:, :t], ly[:, :t])
+    assert not torch.allclose(lx[:, t:], ly[:, t:])
+    for (ix, prx), (iy, pry) in zip(px["routing"], py["routing"]):
+        assert torch.equal(ix[:, :t], iy[:, :t]) and torch.equal(prx[:, :t], pry[:, :t])
+
+
+def test_tick_vec_matches_step_on_embedding():
+    model = FractusCTE(FractusConfig.preset("tiny")).eval()
+    tok = torch.tensor([5, 9])
+    a, sa = model.step(tok, None)
+    b, sb = model.tick_vec(model.embed(tok), None)
+    assert torch.equal(a, b)
+    assert all(torch.equal(s1, s2) for p, q in zip(sa, sb) for s1, s2 in zip(p, q))
+
+
+def test_1b_parameter_count():
+    with torch.device("meta"):
+        model = FractusCTE(FractusConfig.preset("1b"))
+    n = model.num_params()
+    assert abs(n - 1_048_631_458) / 1_048_631_458 < 0.01, n
+    active = model.num_params(active=True)
+    assert abs(active - 183.1e6) / 183.1e6 < 0.01, active
+    assert abs(model.num_params(active=True, embedding=False) - 118.8e6) / 118.8e6 < 0.01
+
+
+def test_presets_and_spec_constants():
+    for name in ("palier0", "palier1", "palier2", "palier3", "1b"):
+        c = FractusConfig.preset(name)
+        assert c.d_head == 64 and c.n_levels == 2 and c.top_k == 2 and c.chunk_len == 32
+    assert level_omegas(2)[0] == 1.0 and abs(level_omegas(2)[1] - 0.381966) < 1e-6
+    ph = farey_phases(16)
+    assert ph.shape == (16,) and ph.unique().numel() == 16 and ph.min() >= 0 and ph.max() < 6.2832
+
+
+def test_training_loss_decreases():
+    torch.manual_seed(0)
+    model = FractusCTE(FractusConfig.preset("tiny", vocab_size=64))
+    x = torch.randint(0, 64, (4, 33))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        _, parts, _ = model(x[:, :-1], targets=x[:, 1:])
+        opt.zero_grad()
+        parts["loss"].backward()
+        opt.step()
+        losses.append(parts["ce"].item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_head_positions_last_supervises_last_position_only():
+    model = FractusCTE(FractusConfig.preset("tiny"))
+    x = torch.randint(0, 512, (3, 8))
+    y = torch.randint(0, 512, (3, 8))
+    _, parts, _ = model(x, targets=y, head_positions="last")
+    logits, _, _ = model(x)
+    ref = torch.nn.functional.cross_entropy(logits[:, -1], y[:, -1])
+    assert parts["n"] == 3
+    assert_rel(parts["ce"], ref, 1e-5, "head-partial CE")
+
+
+@pytest.mark.parametrize("bad", [-1, 512, 10_000])
+def test_token_ids_out_of_range(bad):
+    model = FractusCTE(FractusConfig.preset("tiny"))
+    x = torch.zeros(1, 4, dtype=torch.long)
+    x[0, 2] = bad
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        model(x)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        model.generate([], 3)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        FractusConfig.preset("nope")
+    with pytest.raises(ValueError):
+        FractusConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError):
+        FractusConfig(attn_decay=1.5)
+    with pytest.raises(ValueError):
+        FractusConfig(top_k=5, n_experts=4)
+
+
+def test_generate_is_seeded_and_decodes_tick_by_tick():
+    model = FractusCTE(FractusConfig.preset("tiny"))
+    kw = dict(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.3)
+    a = model.generate([1, 2, 3], seed=7, **kw)
+    assert a == model.generate([1, 2, 3], seed=7, **kw) and len(a) == 12
+    greedy = model.generate([1, 2, 3], 6, temperature=0)
+    with torch.no_grad():
+        ids = [1, 2, 3]
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    assert greedy == ids[3:]
+
+
+def test_checkpoint_roundtrip_and_errors(tmp_path):
+    model = FractusCTE(FractusConfig.preset("tiny"))
+    p = tmp_path / "m.pt"
+    model.save(p)
+    back = FractusCTE.load(p)
+    x = torch.randint(0, 512, (1, 9))
+    assert torch.equal(model(x)[0], back(x)[0])
+    other = FractusCTE(FractusConfig.preset("tiny", n_experts=5))
+    with pytest.raises(CheckpointError, match="does not match"):
+        load_model_state(other, load_checkpoint(p)["model"], p)
+    data = p.read_bytes()
+    (tmp_path / "trunc.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        FractusCTE.load(tmp_path / "trunc.pt")
+    compiled = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}
+    load_model_state(back, compiled)
+
+
+def test_malicious_checkpoint_is_refused(tmp_path):
+    import os
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    p = tmp_path / "evil.pt"
+    with open(p, "wb") as f:
+        pickle.dump({"config": {}, "model": Evil()}, f)
+    with pytest.raises(CheckpointError, match="refusing"):
+        FractusCTE.load(p)
+    assert not marker.exists()

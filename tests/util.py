@@ -1,0 +1,23 @@
+"""Error measures shared by the tests."""
+import torch
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in fp64; NaN anywhere in x gives inf."""
+    x, ref = x.detach().double(), ref.detach().double()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_rel(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    assert x.shape == ref.shape, f"{what}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
+    e = rel_err(x, ref)
+    assert e < tol, f"{what}: relative error {e:.3e} >= {tol:.1e}"
+
+
+def assert_lowp(x: torch.Tensor, same_dtype_ref: torch.Tensor, truth: torch.Tensor,
+                tol: float = 1e-3, what: str = "") -> None:
+    """Low precision rule: err(x vs fp32 truth) <= err(same-dtype PyTorch ref vs truth) + tol."""
+    e, e_ref = rel_err(x, truth), rel_err(same_dtype_ref, truth)
+    assert e <= e_ref + tol, f"{what}: error {e:.3e} > same-dtype reference {e_ref:.3e} + {tol:.0e}"
