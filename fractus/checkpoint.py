@@ -65,8 +65,9 @@ def strip_compile_prefix(state: dict) -> dict:
     return {k.replace("_orig_mod.", ""): v for k, v in state.items()}
 
 
-def load_model_state(model: torch.nn.Module, state: dict, source="checkpoint") -> None:
-    """``load_state_dict`` that names every missing, unexpected or mis-shaped tensor."""
+def check_model_state(model: torch.nn.Module, state: dict, source="checkpoint") -> dict:
+    """``state`` without compile prefixes; CheckpointError naming every missing, unexpected or
+    mis-shaped tensor unless it fits ``model`` (which may live on the meta device)."""
     state = strip_compile_prefix(state)
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
@@ -82,4 +83,9 @@ def load_model_state(model: torch.nn.Module, state: dict, source="checkpoint") -
         if shapes:
             msg.append(f"{len(shapes)} shape mismatches, e.g. {shapes[:3]}")
         raise CheckpointError("; ".join(msg))
-    model.load_state_dict(state)
+    return state
+
+
+def load_model_state(model: torch.nn.Module, state: dict, source="checkpoint") -> None:
+    """``load_state_dict`` that names every missing, unexpected or mis-shaped tensor."""
+    model.load_state_dict(check_model_state(model, state, source))

@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from fractus.kernels.cross_entropy import linear_cross_entropy
 from fractus.kernels.linear_attention import linear_attention
@@ -50,6 +52,7 @@ class FractusConfig:
     gate_tau: float = 1.0  # τ
     lb_coef: float = 0.01
     tie_head: bool = True
+    fused_ce: bool = True  # tied-head loss without forming [tokens, V] logits
     chunk_len: int = 32
     eps: float = 1e-6
     backend: str = "auto"  # kernels: auto | triton | torch | reference
@@ -121,10 +124,14 @@ def level_omegas(n_levels: int) -> list[float]:
 
 def farey_phases(n_experts: int) -> torch.Tensor:
     """[E] expert phases 2π·a/b: E fractions picked evenly from the Farey sequence F_{2E} on [0, 1)."""
+    return torch.tensor(_farey_angles(n_experts))
+
+
+@lru_cache(maxsize=None)
+def _farey_angles(n_experts: int) -> tuple[float, ...]:
     n = 2 * n_experts
     seq = sorted({Fraction(a, b) for b in range(1, n + 1) for a in range(0, b)})
-    pick = [seq[(i * len(seq)) // n_experts] for i in range(n_experts)]
-    return torch.tensor([2 * math.pi * float(f) for f in pick])
+    return tuple(2 * math.pi * float(seq[(i * len(seq)) // n_experts]) for i in range(n_experts))
 
 
 class LinearAttention(nn.Module):
@@ -207,6 +214,7 @@ class PhaseRoutedMoE(nn.Module):
             self.log_kappa = nn.Parameter(torch.tensor(math.log(cfg.gate_kappa)))
         else:
             self.router = nn.Linear(d, E, bias=False)
+        self.gate_bias = nn.Parameter(torch.zeros(E))  # b_e: 0, very negative for experts added by growth
         if r > 0:
             self.V1 = nn.Parameter(torch.randn(E, d, r) / math.sqrt(d))
             self.U1 = nn.Parameter(torch.randn(E, Fd, r) / math.sqrt(r))
@@ -226,10 +234,11 @@ class PhaseRoutedMoE(nn.Module):
         return {n: getattr(self, n) for n in names}
 
     def gate_logits(self, m: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
-        """[.., E]: (κ/τ)·cos(ψ − φ_e), or m·W_r for the linear router."""
+        """[.., E]: (κ/τ)·cos(ψ − φ_e) + b_e, or m·W_r + b_e for the linear router."""
         if self.cfg.router == "linear":
-            return self.router(m)
-        return self.log_kappa.exp() / self.cfg.gate_tau * torch.cos(psi.unsqueeze(-1) - self.phases)
+            return self.router(m) + self.gate_bias
+        g = self.log_kappa.exp() / self.cfg.gate_tau * torch.cos(psi.unsqueeze(-1) - self.phases)
+        return g + self.gate_bias
 
     def forward(self, h: torch.Tensor, psi: torch.Tensor):
         """h [B, T, d], ψ [B, T] → (update [B, T, d], probs [B, T, E], expert ids [B, T, K])."""
@@ -258,10 +267,13 @@ class Block(nn.Module):
         self.moe = PhaseRoutedMoE(cfg)
 
     def forward(self, h, state):
-        a, state = self.attn(h, state)
-        h = h + a
-        psi = self.clock(h)
-        out, p, idx = self.moe(h, psi)
+        with record_function("attention"):
+            a, state = self.attn(h, state)
+            h = h + a
+        with record_function("kuramoto"):
+            psi = self.clock(h)
+        with record_function("moe"):
+            out, p, idx = self.moe(h, psi)
         return h + out, state, p, idx
 
 
@@ -333,11 +345,17 @@ class FractusCTE(nn.Module):
         supervises only the chunk's last position (the original's head-partial).
         """
         self.check_tokens(idx)
-        return self.forward_embeds(self.embed(idx), state, targets, head_positions)
+        with record_function("embedding"):
+            x = self.embed(idx)
+        return self.forward_embeds(x, state, targets, head_positions)
 
     def forward_embeds(self, x, state=None, targets=None, head_positions="all"):
         """As :meth:`forward` from input vectors x [B, T, d] instead of token ids."""
         h, new_state, lb, routing = self.run_blocks(x, state)
+        with record_function("head_loss"):
+            return self._head(h, new_state, lb, routing, targets, head_positions)
+
+    def _head(self, h, new_state, lb, routing, targets, head_positions):
         parts = {"lb": lb, "routing": routing, "loss": None, "ce": None, "n": 0}
         if targets is None:
             return self.logits(h), parts, new_state
@@ -349,8 +367,14 @@ class FractusCTE(nn.Module):
             positions = torch.arange(T - 1, B * T, T, device=h.device)
         elif head_positions != "all":
             raise ValueError(f"head_positions must be 'all' or 'last', got {head_positions!r}")
-        ce = linear_cross_entropy(h.reshape(B * T, d), self.head_weight(), targets.reshape(-1),
-                                  positions=positions, backend=self.cfg.backend)
+        h, targets = h.reshape(B * T, d), targets.reshape(-1)
+        if self.cfg.fused_ce:
+            ce = linear_cross_entropy(h, self.head_weight(), targets, positions=positions,
+                                      backend=self.cfg.backend)
+        else:
+            if positions is not None:
+                h, targets = h[positions], targets[positions]
+            ce = F.cross_entropy(self.logits(h).float(), targets)
         parts.update(ce=ce, loss=ce + self.cfg.lb_coef * lb,
                      n=B if positions is not None else int((targets != -100).sum()))
         return None, parts, new_state

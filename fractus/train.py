@@ -5,7 +5,9 @@ chunk of every stream and carries the attention state (S, z), detached, across c
 optimizer step accumulates ``--accum`` micro-steps. Validation reports cross-entropy in
 nats/token, bits per byte and perplexity on the held-out split. Checkpoints hold model,
 optimizer, scheduler, data position, carried state and RNG, and are written atomically;
-``--resume`` continues exactly. SIGINT/SIGTERM save and exit. Several processes:
+``--resume`` continues exactly. ``--grow-from CKPT`` starts from a checkpoint grown to the
+preset (:mod:`fractus.grow`: same logits) with a fresh optimizer. SIGINT/SIGTERM save and exit.
+Several processes:
 ``torchrun --nproc_per_node=N -m fractus.train …`` (DDP; gloo on CPU, NCCL on CUDA).
 """
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fractus.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
 from fractus.data import TokenStreams, load_meta, load_tokens
+from fractus.grow import grow
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ckpt-every", type=int, default=200, help="optimizer steps between checkpoints")
     a("--max-nan", type=int, default=3, help="stop after this many consecutive non-finite steps")
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    a("--grow-from", metavar="CKPT",
+      help="start from CKPT's model grown to the preset (fresh optimizer; ignored with --resume)")
     a("--sample-tokens", type=int, default=40, help="tokens generated per prompt at the end (0 = none)")
     a("--seed", type=int, default=1337)
     a("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -129,6 +134,28 @@ def autocast(device: torch.device, bf16: bool):
     if bf16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def micro_steps(fwd, batches, state, accum: int, head_positions: str, device: torch.device, bf16: bool):
+    """Forward + backward over ``accum`` chunks of ``batches`` ((x, y, new_epoch) triples),
+    carrying the detached state; gradients accumulate, scaled by 1/accum.
+
+    Returns (mean CE, mean lb, state, finite); stops at the first non-finite loss.
+    """
+    ce_sum, lb_sum = 0.0, 0.0
+    for x, y, new_epoch in batches:
+        x, y = x.to(device), y.to(device)
+        if new_epoch:
+            state = None
+        with autocast(device, bf16):
+            _, parts, state = fwd(x, state, y, head_positions)
+        state = FractusCTE.detach_state(state)
+        if not torch.isfinite(parts["loss"]):
+            return float("nan"), float("nan"), state, False
+        (parts["loss"] / accum).backward()
+        ce_sum += parts["ce"].item()
+        lb_sum += parts["lb"].item()
+    return ce_sum / accum, lb_sum / accum, state, True
 
 
 @torch.no_grad()
@@ -225,7 +252,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if int(r["step"]) <= last_step]
+        rows = [r for r in csv.DictReader(f) if None not in r.values() and int(r["step"]) <= last_step]
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
@@ -251,6 +278,7 @@ def train(argv=None) -> dict:
     meta = load_meta(args.data)
     train_tok, val_tok = load_tokens(args.data, "train", meta), load_tokens(args.data, "val", meta)
     streams = TokenStreams(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world)
+    TokenStreams(val_tok, args.batch_size, args.chunk_len)  # a too-short split fails now, not at evaluation
     cfg = make_config(args, meta["vocab_size"])
     bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 2e-3)
@@ -260,7 +288,7 @@ def train(argv=None) -> dict:
         raise ValueError("--active-blocks must be ≤ n_layers, and is single-process only")
 
     torch.manual_seed(args.seed)
-    model = FractusCTE(cfg).to(device)
+    model = (grow(args.grow_from, cfg) if args.grow_from and not args.resume else FractusCTE(cfg)).to(device)
     opt = make_optimizer(model, args.optimizer, lr, args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, total_steps, args.min_lr_ratio))
     step, state, elapsed = 0, None, 0.0
@@ -268,8 +296,13 @@ def train(argv=None) -> dict:
         if not ckpt_path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
         ck = load_checkpoint(ckpt_path, map_location=device)
+        if not {"args", "optimizer", "scheduler", "state", "rng"} <= set(ck):
+            raise CheckpointError(f"{ckpt_path} holds a model but no training state: start a new run "
+                                  f"from it with --grow-from")
         saved = ck["args"]
         diff = {k: (saved.get(k), getattr(args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(args, k)}
+        if ck.get("world", 1) != world:
+            diff["processes"] = (ck.get("world", 1), world)
         if diff:
             raise ValueError(f"--resume with different settings than the checkpoint: {diff}")
         load_model_state(model, ck["model"], ckpt_path)
@@ -296,7 +329,8 @@ def train(argv=None) -> dict:
                 "config": cfg.to_dict(), "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict(), "step": step, "data_position": streams.position,
                 "state": FractusCTE.detach_state(state), "rng": rng_state(), "elapsed_s": elapsed,
-                "args": vars(args), "meta": {"vocab_size": meta["vocab_size"], "source": meta["source"]}})
+                "args": vars(args), "world": world,
+                "meta": {"vocab_size": meta["vocab_size"], "source": meta["source"]}})
 
     if master:
         out.mkdir(parents=True, exist_ok=True)
@@ -307,7 +341,7 @@ def train(argv=None) -> dict:
               f"{tokens_per_step:,} tokens/step, lr {lr:g} ({args.optimizer}), {total_steps} steps")
     bar = tqdm(total=total_steps, initial=step, disable=not master or args.no_progress,
                unit="step", dynamic_ncols=True)
-    nan_run, last = 0, {}
+    nan_run, skipped, last = 0, 0, {}
     with Stop() as stop:
         while step < total_steps and not stop.requested:
             t0 = time.perf_counter()
@@ -316,22 +350,9 @@ def train(argv=None) -> dict:
                 for i, blk in enumerate(model.blocks):
                     blk.requires_grad_(i in act)
             state_before, pos_before = state, streams.position
-            ce_sum, lb_sum, finite = 0.0, 0.0, True
-            for _ in range(args.accum):
-                x, y, new_epoch = streams.next()
-                x, y = x.to(device), y.to(device)
-                if new_epoch:
-                    state = None
-                with autocast(device, bf16):
-                    _, parts, state = fwd(x, state, y, args.head_positions)
-                state = FractusCTE.detach_state(state)
-                loss = parts["loss"]
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                (loss / args.accum).backward()
-                ce_sum += parts["ce"].item()
-                lb_sum += parts["lb"].item()
+            batches = (streams.next() for _ in range(args.accum))
+            ce, lb, state, finite = micro_steps(fwd, batches, state, args.accum, args.head_positions,
+                                                device, bf16)
             if world > 1:
                 flag = torch.tensor([float(finite)], device=device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -341,6 +362,7 @@ def train(argv=None) -> dict:
                 state = state_before
                 streams.position = pos_before + args.accum  # skip the bad data, keep the state
                 nan_run += 1
+                skipped += 1
                 tqdm.write(f"step {step}: non-finite loss, step skipped ({nan_run}/{args.max_nan} in a row)")
                 if nan_run >= args.max_nan:
                     save()
@@ -357,8 +379,8 @@ def train(argv=None) -> dict:
             dt = time.perf_counter() - t0
             elapsed += dt
             last = {"step": step, "tokens": step * tokens_per_step, "lr": sched.get_last_lr()[0],
-                    "train_ce": ce_sum / args.accum, "train_lb": lb_sum / args.accum,
-                    "tok_s": tokens_per_step / dt, "elapsed_s": elapsed}
+                    "train_ce": ce, "train_lb": lb,
+                    "tok_s": tokens_per_step / dt, "skipped": skipped, "elapsed_s": elapsed}
             bar.update(1)
             bar.set_postfix(ce=f"{last['train_ce']:.3f}", tok_s=f"{last['tok_s']:,.0f}")
             if args.eval_every and step % args.eval_every == 0 and step < total_steps and master:
@@ -395,10 +417,10 @@ def train(argv=None) -> dict:
     return last
 
 
-def main() -> None:
+def main(argv=None) -> None:
     try:
-        train()
-    except (ValueError, FileNotFoundError, FileExistsError, NonFiniteLoss) as e:
+        train(argv)
+    except (ValueError, FileNotFoundError, FileExistsError, NonFiniteLoss, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

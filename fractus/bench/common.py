@@ -7,7 +7,6 @@ import importlib
 import multiprocessing as mp
 import os
 import platform
-import resource
 import socket
 import statistics
 import subprocess
@@ -85,12 +84,21 @@ def median_time(fn: Callable[[], object], warmup: int = 2, reps: int = 5,
     return statistics.median(times)
 
 
+def _high_water_rss() -> int:
+    """This process's peak resident set (VmHWM) in bytes; unlike ru_maxrss it starts afresh
+    in a spawned child instead of inheriting the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status (Linux only)")
+
+
 def _peak_child(target: str, kwargs: dict, q) -> None:
     mod, name = target.split(":")
     thunk = getattr(importlib.import_module(mod), name)(**kwargs)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _high_water_rss()
     thunk()
-    q.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+    q.put(_high_water_rss() - base)
 
 
 def cpu_peak_bytes(target: str, **kwargs) -> int:

@@ -1,0 +1,161 @@
+"""The GPU suite: ``python -m fractus.bench gpu --out results/gpu`` (one command, < 8 min on an H200).
+
+1. provenance and the device's ceilings (device-to-device copy GB/s, large bf16 matmul TFLOP/s);
+2. every Triton kernel compiled for real and checked against its reference in fp32 and bf16;
+3. each kernel timed against its baselines (fla / Liger side by side when installed);
+4. end-to-end bf16 training throughput, peak memory and MFU per preset over a batch sweep, and
+   tick-by-tick generation tokens/s;
+5. CSVs under ``results/gpu/`` (read by the notebooks) and a summary table printed last.
+
+A failing stage is recorded in ``failures.csv`` and the suite goes on. ``--dry-run`` runs the
+same code paths on CPU at tiny sizes (kernels through Triton's interpreter); CI runs it.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import time
+import traceback
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from fractus.bench.common import median_time, provenance, write_csv
+from fractus.bench.costmodel import flops_per_token
+from fractus.bench.train import measure_training
+from fractus.model import FractusConfig, FractusCTE
+
+KERNELS = ("linear_attention", "moe", "cross_entropy")
+H200_BF16_DENSE_TFLOPS = 989.4  # datasheet peak, dense bf16
+# (preset, batch sizes, chunk_len) swept for end-to-end training on the GPU
+TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
+               ("palier2", (8, 64, 128), 128), ("palier3", (8, 32, 64), 128), ("1b", (8, 32, 64), 128)]
+DRY_SWEEP = [("tiny", (1, 2), 16)]
+
+
+def ceilings(device: torch.device, dry_run: bool) -> dict:
+    """Measured device-to-device copy bandwidth and bf16 (fp32 on a CPU dry run) matmul rate."""
+    n_copy = (1 << 20) if dry_run else (1 << 30)
+    src = torch.empty(n_copy, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t_copy = median_time(lambda: dst.copy_(src), device=device)
+    n = 256 if dry_run else 8192
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t_mm = median_time(lambda: a @ b, device=device)
+    return {"copy_gbs": 2 * n_copy / t_copy / 1e9, "matmul_tflops": 2 * n ** 3 / t_mm / 1e12,
+            "matmul_n": n, "matmul_dtype": str(dtype).replace("torch.", ""), "copy_bytes": n_copy}
+
+
+def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[dict]:
+    rows = []
+    for preset, batches, chunk in (DRY_SWEEP if dry_run else TRAIN_SWEEP):
+        cfg = FractusConfig.preset(preset)
+        flops = sum(flops_per_token(cfg, training=True).values())
+        for b in batches:
+            kw = dict(batch_size=b, chunk_len=chunk, accum=1, optimizer="sgd", steps=3, warmup=2,
+                      device=str(device), bf16=not dry_run)
+            if dry_run:
+                kw.update(backend="triton", steps=1, warmup=0)
+            try:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                r = measure_training(preset, **kw)
+                r["peak_mem_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+                r["train_flops_per_token"] = flops
+                r["mfu"] = r["tok_s"] * flops / (peak_tflops * 1e12)
+                rows.append(r)
+            except torch.cuda.OutOfMemoryError:
+                rows.append({"preset": preset, "batch_size": b, "chunk_len": chunk, "error": "out of memory"})
+                torch.cuda.empty_cache()
+                break
+    return rows
+
+
+def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
+    rows = []
+    for preset in (("tiny",) if dry_run else ("palier0", "palier2", "1b")):
+        cfg = FractusConfig.preset(preset, backend="triton" if dry_run else "auto")
+        model = FractusCTE(cfg).to(device).eval()
+        n_new = 4 if dry_run else 64
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not dry_run):
+            model.generate([1, 2, 3], 2, temperature=0)  # compile / warm up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(list(range(1, 17)), n_new, temperature=0.9, top_k=50, seed=0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        rows.append({"preset": preset, "batch_size": 1, "new_tokens": n_new,
+                     "tok_s": n_new / (time.perf_counter() - t0),
+                     "dtype": "fp32" if dry_run else "bf16"})
+    return rows
+
+
+def run_suite(out: Path, dry_run: bool = False) -> dict[str, pd.DataFrame]:
+    """Run every stage; write ``out/*.csv``; return the tables."""
+    device = torch.device("cpu" if dry_run else "cuda")
+    if not dry_run and not torch.cuda.is_available():
+        raise RuntimeError("the GPU suite needs a CUDA device; use --dry-run on CPU")
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    tables, failures = {}, []
+    prov = provenance(device)
+    if device.type == "cuda":
+        prov["driver"] = torch.version.cuda or ""
+    (out / "provenance.json").write_text(json.dumps(prov, indent=1))
+    print("provenance:", prov)
+
+    def stage(name: str, fn):
+        t0 = time.perf_counter()
+        try:
+            rows = fn()
+            if rows:
+                write_csv(out / f"{name}.csv", rows, device)
+                tables[name] = pd.DataFrame(rows)
+            print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: {len(rows)} rows "
+                  f"({time.perf_counter() - t0:.1f}s)")
+        except Exception as e:  # a failing stage is recorded and the suite goes on
+            failures.append({"stage": name, "error": f"{type(e).__name__}: {e}",
+                             "trace": traceback.format_exc(limit=3)})
+            print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: FAILED {type(e).__name__}: {e}")
+
+    ceil = {}
+    stage("ceilings", lambda: [ceil.update(ceilings(device, dry_run)) or ceil])
+    for k in KERNELS:
+        mod = importlib.import_module(f"fractus.bench.{k}")
+        stage(f"correctness_{k}", lambda mod=mod: mod.correctness_rows(device, smoke=dry_run))
+    for k in KERNELS:
+        mod = importlib.import_module(f"fractus.bench.{k}")
+        stage(f"timing_{k}", lambda mod=mod: mod.gpu_rows(smoke=dry_run))
+    peak = H200_BF16_DENSE_TFLOPS if not dry_run else max(ceil.get("matmul_tflops", 1e-3), 1e-3)
+    stage("train_throughput", lambda: train_rows(device, dry_run, peak))
+    stage("generation", lambda: generation_rows(device, dry_run))
+    if failures:
+        write_csv(out / "failures.csv", failures, device)
+    elif (out / "failures.csv").exists():
+        (out / "failures.csv").unlink()
+    tables["failures"] = pd.DataFrame(failures)
+    print_summary(tables, time.perf_counter() - t_start)
+    return tables
+
+
+def print_summary(tables: dict[str, pd.DataFrame], seconds: float) -> None:
+    print(f"\n===== GPU suite summary ({seconds:.0f} s) =====")
+    checks = [t for name, t in tables.items() if name.startswith("correctness_")]
+    if checks:
+        c = pd.concat(checks, ignore_index=True)
+        print(f"kernel checks: {int(c['passed'].sum())}/{len(c)} passed")
+        bad = c[~c["passed"].astype(bool)]
+        if len(bad):
+            print(bad.to_string(index=False, max_colwidth=40))
+    if "train_throughput" in tables:
+        t = tables["train_throughput"]
+        cols = [k for k in ("preset", "batch_size", "chunk_len", "tok_s", "mfu", "peak_mem_bytes", "error") if k in t]
+        print(t[cols].to_string(index=False))
+    if "generation" in tables:
+        print(tables["generation"].to_string(index=False))
+    f = tables.get("failures")
+    print("failed stages: " + (", ".join(f["stage"]) if f is not None and len(f) else "none"))

@@ -1,0 +1,108 @@
+"""End-to-end training throughput: tokens/s and peak memory of optimizer steps.
+
+Steps are the trainer's own (:func:`fractus.train.micro_steps`) on random tokens, so the
+numbers measure the model, the kernels and the optimizer, not the data pipeline.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes
+from fractus.model import FractusConfig, FractusCTE
+from fractus.train import choose_active_blocks, make_optimizer, micro_steps
+
+
+def _setup(preset, batch_size, chunk_len, accum, optimizer, lr, device, compile, seed, overrides):
+    torch.manual_seed(seed)
+    cfg = FractusConfig.preset(preset, chunk_len=chunk_len, **overrides)
+    model = FractusCTE(cfg).to(device)
+    opt = make_optimizer(model, optimizer, lr, 0.0)
+    fwd = torch.compile(model) if compile else model
+    g = torch.Generator().manual_seed(seed)
+
+    def batches():
+        for _ in range(accum):
+            x = torch.randint(0, cfg.vocab_size, (batch_size, chunk_len + 1), generator=g)
+            yield x[:, :-1], x[:, 1:], False
+
+    return cfg, model, opt, fwd, batches
+
+
+def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len: int = 32,
+                     accum: int = 8, optimizer: str = "sgd", lr: float = 1e-3,
+                     head_positions: str = "all", active_blocks: int = 0, bf16: bool = False,
+                     compile: bool = False, steps: int = 3, warmup: int = 1, device: str = "cpu",
+                     seed: int = 0, **overrides) -> dict:
+    """Median seconds per optimizer step and tokens/s; ``overrides`` go to the config."""
+    device = torch.device(device)
+    cfg, model, opt, fwd, batches = _setup(preset, batch_size, chunk_len, accum, optimizer, lr,
+                                           device, compile, seed, overrides)
+    state, times = None, []
+    for i in range(warmup + steps):
+        if active_blocks:
+            act = set(choose_active_blocks(cfg.n_layers, active_blocks, seed, i))
+            for j, blk in enumerate(model.blocks):
+                blk.requires_grad_(j in act)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ce, _, state, finite = micro_steps(fwd, batches(), state, accum, head_positions, device, bf16)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        if not finite:
+            raise RuntimeError(f"non-finite loss while benchmarking {preset} {overrides}")
+    times.sort()
+    step_s = times[len(times) // 2]
+    tokens = batch_size * chunk_len * accum
+    return {"preset": preset, "vocab_size": cfg.vocab_size, "batch_size": batch_size,
+            "chunk_len": chunk_len, "accum": accum, "optimizer": optimizer,
+            "head_positions": head_positions, "active_blocks": active_blocks or cfg.n_layers,
+            "bf16": bf16, "compile": compile, "params": model.num_params(),
+            "step_s": step_s, "tok_s": tokens / step_s, "steps_timed": steps,
+            **{k: v for k, v in overrides.items()}}
+
+
+def step_thunk(preset: str = "palier0", batch_size: int = 8, chunk_len: int = 32, accum: int = 1,
+               optimizer: str = "sgd", head_positions: str = "all", device: str = "cpu", **overrides):
+    """Build a model and return a thunk running one optimizer step (for peak-memory probes)."""
+    device = torch.device(device)
+    _, _, opt, fwd, batches = _setup(preset, batch_size, chunk_len, accum, optimizer, 1e-3, device,
+                                     False, 0, overrides)
+
+    def run():
+        micro_steps(fwd, batches(), None, accum, head_positions, device, False)
+        opt.step()
+    return run
+
+
+def peak_memory(device: str = "cpu", **kw) -> int:
+    """Peak bytes of a first optimizer step above the built model (activations, gradients,
+    optimizer state), measured in a fresh process on CPU."""
+    if torch.device(device).type == "cuda":
+        return cuda_peak_bytes(step_thunk(device=device, **kw))
+    return cpu_peak_bytes("fractus.bench.train:step_thunk", **kw)
+
+
+CPU_TARGETS = [  # (preset, vocab, target tok/s) from the foundation issue; B=8, C=32, SGD, accum 8
+    ("palier0", 50257, 2000.0),
+    ("palier2", 50257, 300.0),
+    ("palier0", 8192, 8000.0),
+]
+
+
+def cpu_rows(smoke: bool = False) -> list[dict]:
+    rows = []
+    for preset, vocab, target in CPU_TARGETS:
+        kw = dict(vocab_size=vocab)
+        if smoke:
+            kw.update(d_model=64, n_heads=1, n_layers=1, expert_d_ff=64, vocab_size=min(vocab, 1024))
+        r = measure_training(preset, steps=1 if smoke else 3, accum=2 if smoke else 8, **kw)
+        r.update(target_tok_s=target, meets_target=r["tok_s"] >= target)
+        rows.append(r)
+    return rows

@@ -1,0 +1,101 @@
+"""Merge checkpoints by averaging their parameters (the original's "unified merge").
+
+``python -m fractus.merge A.pt B.pt … -o M.pt`` writes a checkpoint whose every parameter is
+the mean of the inputs'. The inputs must share the architecture and the vocabulary (refused
+otherwise, naming the differences) and their buffers (expert phases) must agree. Keys saved
+from ``torch.compile`` models are accepted. The result holds only the config and the weights:
+no optimizer, schedule, data position or carried recurrent state — start training from it with
+``python -m fractus.train --grow-from M.pt …`` (same preset: a plain copy, fresh optimizer).
+
+Averaging only makes sense for models that share an ancestor (runs started from one checkpoint,
+e.g. shards trained with ``--grow-from BASE.pt`` on different data): independently initialised
+models are not aligned, and their mean is not a model. The CLI prints each input's relative
+distance to the mean as a check.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from fractus.checkpoint import (CheckpointError, check_model_state, load_checkpoint, save_checkpoint,
+                                strip_compile_prefix)
+from fractus.model import FractusConfig, FractusCTE
+
+# Config fields that only steer training or the kernels; checkpoints may differ in them.
+RUN_FIELDS = ("backend", "chunk_len", "lb_coef", "detach_kuramoto", "fused_ce")
+
+
+def merge(paths: list[str | Path], out: str | Path | None = None) -> dict:
+    """Mean of the checkpoints' parameters → checkpoint dict {config, model, merged_from};
+    written atomically to ``out`` when given. Raises CheckpointError when the inputs differ."""
+    if len(paths) < 2:
+        raise CheckpointError(f"merge needs at least two checkpoints, got {len(paths)}")
+    acc, first_cfg = {}, None
+    for path in paths:
+        ck = load_checkpoint(path)
+        if first_cfg is None:
+            first_cfg = ck["config"]
+            try:
+                cfg = FractusConfig.from_dict(first_cfg)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"{path}: invalid config ({e})") from None
+            with torch.device("meta"):
+                ref = FractusCTE(cfg)
+            params = {n for n, _ in ref.named_parameters()}
+        keys = sorted((set(first_cfg) | set(ck["config"])) - set(RUN_FIELDS))
+        diff = {k: (first_cfg.get(k), ck["config"].get(k)) for k in keys
+                if first_cfg.get(k) != ck["config"].get(k)}
+        if diff:
+            what = "vocabularies" if "vocab_size" in diff else "configs"
+            raise CheckpointError(f"cannot merge {paths[0]} and {path}: different {what}: "
+                                  + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diff.items()))
+        state = check_model_state(ref, ck["model"], path)
+        for k, v in state.items():
+            if k not in params:  # buffers (expert phases) must agree
+                if k in acc and not torch.equal(acc[k], v):
+                    raise CheckpointError(f"cannot merge {paths[0]} and {path}: buffer {k} differs "
+                                          "(e.g. the expert phases of a grown model)")
+                acc.setdefault(k, v)
+            elif k in acc:
+                acc[k] += v.double()
+            else:
+                acc[k] = v.double()
+    model = {k: (v / len(paths)).float() if k in params else v for k, v in acc.items()}
+    merged = {"config": first_cfg, "model": model, "merged_from": [str(p) for p in paths]}
+    if out is not None:
+        save_checkpoint(out, merged)
+    return merged
+
+
+def distance_to_mean(path: str | Path, merged: dict) -> float:
+    """‖θ − θ̄‖ / ‖θ̄‖ over all tensors of checkpoint ``path`` and the merged one."""
+    state = strip_compile_prefix(load_checkpoint(path)["model"])
+    num = den = 0.0
+    for k, m in merged["model"].items():
+        if m.is_floating_point() and k in state:
+            num += float((state[k].double() - m.double()).pow(2).sum())
+            den += float(m.double().pow(2).sum())
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fractus.merge", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoints", nargs="+", help="two or more checkpoints of the same architecture")
+    ap.add_argument("-o", "--out", required=True, help="merged checkpoint to write")
+    a = ap.parse_args(argv)
+    try:
+        merged = merge(a.checkpoints, a.out)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for p in a.checkpoints:
+        print(f"{p}: relative distance to the mean {distance_to_mean(p, merged):.4f}")
+    print(f"wrote {a.out}: mean of {len(a.checkpoints)} checkpoints (no optimizer or recurrent state)")
+
+
+if __name__ == "__main__":
+    main()

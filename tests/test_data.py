@@ -1,0 +1,95 @@
+"""Tokenizer, corpus preparation and the contiguous token streams."""
+import numpy as np
+import pytest
+
+from fractus.data import (VAL_PLAYS, TokenStreams, load_meta, load_tokens, prepare,
+                          shakespeare_plays, split_documents, strip_markdown)
+from fractus.tokenizer import get_tokenizer, token_byte_lengths
+
+
+@pytest.mark.parametrize("n", [512, 8192, 50257])
+def test_reduced_vocabulary_roundtrips(n):
+    enc = get_tokenizer(n)
+    assert enc.n_vocab == n
+    text = "Ĉu vi parolas? To be, or not to be — 42 naïve café 🙂\n"
+    ids = enc.encode_ordinary(text)
+    assert max(ids) < n - 1 and enc.decode(ids) == text
+    assert len(get_tokenizer(512).encode_ordinary(text)) > len(get_tokenizer(50257).encode_ordinary(text))
+    lens = token_byte_lengths(enc)
+    assert int(lens[ids].sum()) == len(text.encode())
+
+
+def test_vocabulary_bounds():
+    with pytest.raises(ValueError):
+        get_tokenizer(100)
+    with pytest.raises(ValueError):
+        get_tokenizer(200_000)
+
+
+def test_shakespeare_split_by_whole_plays():
+    plays = shakespeare_plays()
+    assert len(plays) == 38
+    train, val = split_documents(plays, val_names=VAL_PLAYS)
+    assert sorted(n for n, _ in val) == sorted(VAL_PLAYS)
+    assert not {n for n, _ in train} & set(VAL_PLAYS)
+    macbeth = dict(plays)["macbeth"]
+    assert "FIRST WITCH:\nWhen shall we three meet again" in macbeth
+    assert "**" not in macbeth and "##" not in macbeth
+
+
+def test_strip_markdown():
+    md = "# Play\n\n## ACT I\n\n_Enter Bob_\n\n**BOB**  \nHello,  \nworld.\n"
+    assert strip_markdown(md) == "Play\n\nACT I\n\nEnter Bob\n\nBOB:\nHello,\nworld.\n"
+
+
+def test_prepare_directory_and_file(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(5):
+        (d / f"doc{i}.txt").write_text(f"Document number {i}. " * 50)
+    meta = prepare(str(d), tmp_path / "out", vocab_size=512)
+    assert meta["val"]["documents"] and not set(meta["val"]["documents"]) & set(meta["train"]["documents"])
+    tr = load_tokens(tmp_path / "out", "train")
+    assert len(tr) == meta["train"]["tokens"] and tr.max() < 512
+    enc = get_tokenizer(512)
+    assert enc.decode(tr[: 20].tolist()).startswith("Document number 0.")
+    assert load_meta(tmp_path / "out")["val"]["unigram_entropy_nats"] > 0
+    f = tmp_path / "one.txt"
+    f.write_text("line one\n" * 200)
+    m = prepare(str(f), tmp_path / "out1", vocab_size=512)
+    assert m["train"]["tokens"] > m["val"]["tokens"] > 1
+
+
+def test_bad_corpora(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        prepare(str(tmp_path / "empty"), tmp_path / "o1", vocab_size=512)
+    (tmp_path / "blank.txt").write_text("  \n\n")
+    with pytest.raises(ValueError, match="empty"):
+        prepare(str(tmp_path / "blank.txt"), tmp_path / "o2", vocab_size=512)
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ValueError, match="UTF-8"):
+        prepare(str(tmp_path / "bin.txt"), tmp_path / "o3", vocab_size=512)
+    with pytest.raises(FileNotFoundError):
+        prepare(str(tmp_path / "missing"), tmp_path / "o4", vocab_size=512)
+    with pytest.raises(FileNotFoundError, match="prepare"):
+        load_meta(tmp_path / "nothing")
+
+
+def test_token_streams_are_contiguous_and_resumable():
+    tokens = np.arange(1000, dtype=np.uint16)
+    s = TokenStreams(tokens, batch_size=3, chunk_len=10)
+    x, y, new = s.next()
+    assert new and x.shape == (3, 10) and (y == x + 1).all()
+    assert x[1, 0] == s.stream_len and x[2, 0] == 2 * s.stream_len
+    x2, _, new2 = s.next()
+    assert not new2 and (x2[:, 0] == x[:, -1] + 1).all()
+    r = TokenStreams(tokens, 3, 10, position=s.position)
+    assert (r.next()[0] == s.next()[0]).all()
+    s.position = s.chunks_per_epoch
+    assert s.next()[2]  # wrapped: a new epoch
+    ranks = [TokenStreams(tokens, 2, 10, rank=k, world=2).next()[0] for k in range(2)]
+    whole = TokenStreams(tokens, 4, 10).next()[0]
+    assert (np.concatenate(ranks) == whole.numpy()).all()
+    with pytest.raises(ValueError, match="too short"):
+        TokenStreams(np.arange(20, dtype=np.uint16), batch_size=4, chunk_len=10)

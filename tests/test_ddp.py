@@ -1,0 +1,43 @@
+"""Several processes: one DDP step of 2 gloo processes (torchrun on 127.0.0.1) equals one
+single-process step on the same global batch."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fractus.checkpoint import load_checkpoint
+from fractus.model import FractusConfig, FractusCTE
+from fractus.train import train
+from test_train import ROOT, make_corpus
+from util import rel_err
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch build has no gloo backend")
+def test_ddp_step_equals_single_process_step(tmp_path):
+    data = make_corpus(tmp_path)
+    # One optimizer step of 2 micro-steps over 4 streams: 2 per process, or 4 in one process.
+    # SGD (its update is proportional to the gradient, unlike Adam's first step) and lb_coef = 0:
+    # the load-balance term is computed from each process's own tokens, so it is not additive.
+    common = ["--preset", "tiny", "--data", str(data), "--tokens", "128", "--chunk-len", "16",
+              "--accum", "2", "--optimizer", "sgd", "--lr", "1.0", "--warmup", "1", "--lb-coef", "0",
+              "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--threads", "1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    ddp = subprocess.run([*torchrun, "-m", "fractus.train", *common, "--batch-size", "2",
+                          "--out", str(tmp_path / "ddp")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "2 process(es)" in ddp.stdout and "global batch 2×2 streams" in ddp.stdout
+    train([*common, "--batch-size", "4", "--out", str(tmp_path / "one")])
+
+    a, b = load_checkpoint(tmp_path / "ddp" / "ckpt.pt"), load_checkpoint(tmp_path / "one" / "ckpt.pt")
+    assert a["step"] == b["step"] == 1
+    torch.manual_seed(1337)  # the trainer's initialisation
+    init = FractusCTE(FractusConfig.from_dict(a["config"])).state_dict()
+    for k, v in b["model"].items():  # per tensor: fp32 sums in another order (level_logits ≈ 2e-5)
+        assert rel_err(a["model"][k], v) < 1e-4, f"{k}: parameters after the step differ"
+    pa, pb = (torch.cat([ck["model"][k].flatten() for k in init]) for ck in (a, b))
+    assert rel_err(pa, pb) < 1e-5, "parameters after the step differ"
+    p0 = torch.cat([v.flatten() for v in init.values()])
+    assert (pb - p0).norm() > 0.1
+    assert rel_err(pa - p0, pb - p0) < 1e-4, "the updates differ"

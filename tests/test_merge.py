@@ -1,0 +1,86 @@
+"""Merge: parameter mean of checkpoints; compiled keys accepted; mismatches refused clearly."""
+import pytest
+import torch
+
+from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fractus.merge import main, merge
+from fractus.model import FractusConfig, FractusCTE
+from util import assert_rel
+
+
+def shard(base: FractusCTE, seed: int) -> FractusCTE:
+    """``base`` moved a little, as if trained further on its own data."""
+    model = FractusCTE(base.cfg)
+    model.load_state_dict(base.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def train_ckpt(path, model: FractusCTE, compiled: bool = False) -> None:
+    """A trainer-style checkpoint: optimizer, carried state, step… and optionally compiled keys."""
+    prefix = "_orig_mod." if compiled else ""
+    opt = torch.optim.AdamW(model.parameters())
+    save_checkpoint(path, {"config": model.cfg.to_dict(),
+                           "model": {prefix + k: v for k, v in model.state_dict().items()},
+                           "optimizer": opt.state_dict(), "step": 7, "state": model.init_state(2)})
+
+
+def test_merge_is_the_parameter_mean(tmp_path, capsys):
+    base = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
+    shards = [shard(base, s) for s in (1, 2, 3)]
+    paths = [tmp_path / f"s{i}.pt" for i in range(3)]
+    for i, (m, p) in enumerate(zip(shards, paths)):
+        train_ckpt(p, m, compiled=i == 1)
+    main([str(p) for p in paths] + ["-o", str(tmp_path / "m.pt")])
+    assert "relative distance to the mean" in capsys.readouterr().out
+    ck = load_checkpoint(tmp_path / "m.pt")
+    assert set(ck) == {"config", "model", "merged_from"}, "no optimizer or recurrent state"
+    merged = FractusCTE.load(tmp_path / "m.pt")
+    for name, p in merged.named_parameters():
+        mean = torch.stack([dict(m.named_parameters())[name] for m in shards]).mean(0)
+        assert_rel(p, mean, 1e-6, name)
+    x = torch.randint(0, 97, (1, 9))
+    assert torch.isfinite(merged(x)[0]).all()
+
+
+def test_merge_ignores_run_settings(tmp_path):
+    base = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
+    other = FractusCTE(FractusConfig.preset("tiny", vocab_size=97, lb_coef=0.1, chunk_len=64))
+    other.load_state_dict(base.state_dict())
+    base.save(tmp_path / "a.pt")
+    other.save(tmp_path / "b.pt")
+    merged = merge([tmp_path / "a.pt", tmp_path / "b.pt"])
+    for k, v in base.state_dict().items():
+        assert_rel(merged["model"][k], v, 1e-7, k)
+
+
+@pytest.mark.parametrize("over,msg", [(dict(vocab_size=101), "different vocabularies"),
+                                      (dict(n_layers=3), "different configs: n_layers 2 vs 3"),
+                                      (dict(router="linear"), "router 'phase' vs 'linear'")])
+def test_merge_refuses_different_models(tmp_path, capsys, over, msg):
+    FractusCTE(FractusConfig.preset("tiny", vocab_size=97)).save(tmp_path / "a.pt")
+    FractusCTE(FractusConfig.preset("tiny", **{"vocab_size": 97, **over})).save(tmp_path / "b.pt")
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "-o", str(tmp_path / "m.pt")])
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_merge_refuses_different_phases_and_bad_files(tmp_path):
+    a = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
+    b = shard(a, 1)
+    with torch.no_grad():
+        b.blocks[0].moe.phases.copy_(b.blocks[0].moe.phases.roll(1))
+    a.save(tmp_path / "a.pt")
+    b.save(tmp_path / "b.pt")
+    with pytest.raises(CheckpointError, match="buffer blocks.0.moe.phases differs"):
+        merge([tmp_path / "a.pt", tmp_path / "b.pt"])
+    (tmp_path / "t.pt").write_bytes((tmp_path / "a.pt").read_bytes()[:500])
+    with pytest.raises(CheckpointError, match="truncated"):
+        merge([tmp_path / "a.pt", tmp_path / "t.pt"])
+    with pytest.raises(CheckpointError, match="at least two"):
+        merge([tmp_path / "a.pt"])

@@ -1,0 +1,292 @@
+"""The trainer under faults: kill -9 and resume, a kill inside a save, malicious checkpoints,
+non-finite losses, bad input, mismatched resumes; PGSU and growth through the CLI."""
+import csv
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fractus.checkpoint import load_checkpoint, save_checkpoint
+from fractus.data import TokenStreams, load_tokens, prepare
+from fractus.model import FractusConfig, FractusCTE
+from fractus.train import NonFiniteLoss, choose_active_blocks, main, train
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 80  # optimizer steps of the reference run (2 streams × 16 tokens each)
+SAME = ("step", "tokens", "lr", "train_ce", "train_lb", "val_ce", "val_bpb", "val_ppl")
+
+
+def make_corpus(root: Path) -> Path:
+    """A small deterministic text, prepared with vocab 512 into root/data."""
+    rng = random.Random(0)
+    words = ("the a cat dog sat on mat ran far and then slept while birds sang over hills of green "
+             "grass under blue sky").split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + "."
+             for _ in range(600)]
+    (root / "corpus.txt").write_text("\n".join(lines) + "\n")
+    prepare(str(root / "corpus.txt"), root / "data", vocab_size=512)
+    return root / "data"
+
+
+def cli(data, out, *extra, tokens=STEPS * 32) -> list[str]:
+    return ["--preset", "tiny", "--data", str(data), "--out", str(out), "--tokens", str(tokens),
+            "--batch-size", "2", "--chunk-len", "16", "--accum", "1", "--threads", "1",
+            "--eval-every", "10", "--eval-tokens", "128", "--ckpt-every", "5", "--sample-tokens", "0",
+            "--no-progress", *extra]
+
+
+def metrics(out: Path) -> list[dict]:
+    with open(out / "metrics.csv", newline="") as f:
+        return [{k: r[k] for k in SAME} for r in csv.DictReader(f)]
+
+
+def popen(argv, script=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", script, *argv] if script else [sys.executable, "-m", "fractus.train", *argv]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_rows(proc, out: Path, n: int, timeout: float = 120) -> None:
+    """Until the run has a checkpoint and n rows of metrics."""
+    deadline = time.monotonic() + timeout
+    while not ((out / "ckpt.pt").exists() and (out / "metrics.csv").exists()
+               and len((out / "metrics.csv").read_text().splitlines()) > n):
+        assert proc.poll() is None, f"the run ended before it was interrupted: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"no {n} rows of metrics after {timeout} s"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """metrics.csv of an uninterrupted run."""
+    out = tmp_path_factory.mktemp("reference")
+    train(cli(data, out))
+    rows = metrics(out)
+    assert len(rows) == STEPS + 1 and rows[-1]["val_ce"]
+    return rows
+
+
+def test_kill9_then_resume_equals_uninterrupted(data, reference, tmp_path):
+    out = tmp_path / "run"
+    proc = popen(cli(data, out))
+    try:
+        wait_for_rows(proc, out, 12)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    step = load_checkpoint(out / "ckpt.pt")["step"]
+    assert 5 <= step < STEPS and step % 5 == 0
+    train(cli(data, out, "--resume"))
+    assert metrics(out) == reference
+
+
+def test_sigterm_saves_where_it_stopped(data, tmp_path):
+    out = tmp_path / "run"
+    proc = popen(cli(data, out))
+    try:
+        wait_for_rows(proc, out, 3)
+        proc.send_signal(signal.SIGTERM)
+    finally:
+        stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "checkpoint saved" in stdout and "rerun with --resume" in stdout
+    step = load_checkpoint(out / "ckpt.pt")["step"]
+    assert 3 <= step < STEPS and int(metrics(out)[-1]["step"]) == step
+
+
+KILLED_IN_SAVE = """
+import io, os, signal, sys
+import torch
+from fractus.train import main
+real, calls = torch.save, []
+def save(obj, f, *args, **kwargs):  # the third checkpoint: half the bytes, then SIGKILL
+    calls.append(1)
+    if len(calls) < 3:
+        return real(obj, f, *args, **kwargs)
+    buf = io.BytesIO()
+    real(obj, buf, *args, **kwargs)
+    f.write(buf.getvalue()[:len(buf.getvalue()) // 2])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = save
+main(sys.argv[1:])
+"""
+
+
+def test_kill_inside_a_save_keeps_the_previous_checkpoint(data, reference, tmp_path):
+    out = tmp_path / "run"
+    proc = popen(cli(data, out), script=KILLED_IN_SAVE)
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 10, "the previous checkpoint is intact"
+    assert list(out.glob(".ckpt.pt.*.tmp")), "the half-written file was a temporary"
+    train(cli(data, out, "--resume"))
+    assert metrics(out) == reference
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_resume_refuses_malicious_truncated_and_model_only_checkpoints(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    marker = tmp_path / "pwned"
+    torch.save({"config": {}, "model": {}, "x": RunsCode(marker)}, out / "ckpt.pt")
+    for fill, msg in [(None, "refusing to load"), ("truncated", "truncated or not a checkpoint"),
+                      ("model", "no training state")]:
+        if fill == "truncated":
+            FractusCTE(FractusConfig.preset("tiny")).save(out / "ckpt.pt")
+            (out / "ckpt.pt").write_bytes((out / "ckpt.pt").read_bytes()[:300])
+        elif fill == "model":
+            FractusCTE(FractusConfig.preset("tiny")).save(out / "ckpt.pt")
+        with pytest.raises(SystemExit) as e:
+            main(cli(data, out, "--resume"))
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def inject_nan(monkeypatch, bad):
+    """Make the training loss non-finite on the training forwards n (1-based) with bad(n)."""
+    orig, calls = FractusCTE.forward, []
+
+    def forward(self, *args, **kwargs):
+        logits, parts, state = orig(self, *args, **kwargs)
+        if self.training:
+            calls.append(1)
+            if bad(len(calls)):
+                parts = {**parts, "loss": parts["loss"] * float("nan")}
+        return logits, parts, state
+
+    monkeypatch.setattr(FractusCTE, "forward", forward)
+
+
+def test_nan_step_is_skipped_with_a_message(data, tmp_path, monkeypatch, capsys):
+    inject_nan(monkeypatch, lambda n: n == 3)
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", tokens=6 * 32))
+    assert "step 2: non-finite loss, step skipped (1/3 in a row)" in capsys.readouterr().out
+    rows = metrics(out)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6, 6]
+    assert all(np.isfinite(float(r["train_ce"])) for r in rows)
+    assert load_checkpoint(out / "ckpt.pt")["data_position"] == 7, "the bad chunk is skipped"
+
+
+def test_repeated_nan_stops_after_saving(data, tmp_path, monkeypatch, capsys):
+    inject_nan(monkeypatch, lambda n: n >= 3)
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteLoss, match="3 consecutive non-finite losses at step 2"):
+        train(cli(data, out, "--eval-every", "0", "--max-nan", "3", tokens=20 * 32))
+    ck = load_checkpoint(out / "ckpt.pt")
+    assert ck["step"] == 2 and ck["data_position"] == 5
+    assert all(torch.isfinite(v).all() for v in ck["model"].values())
+    with pytest.raises(SystemExit) as e:
+        main(cli(data, tmp_path / "run2", "--eval-every", "0", tokens=20 * 32))
+    assert e.value.code == 2 and "consecutive non-finite losses" in capsys.readouterr().err
+
+
+def test_bad_corpora(tmp_path, data, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("  \n\n ")
+    for name in ("empty.txt", "blank.txt"):
+        with pytest.raises(ValueError, match="the corpus is empty"):
+            prepare(str(tmp_path / name), tmp_path / "d", vocab_size=512)
+    (tmp_path / "short.txt").write_text("The cat sat on the mat.\nThe dog ran.\n")
+    prepare(str(tmp_path / "short.txt"), tmp_path / "short", vocab_size=512)
+    with pytest.raises(ValueError, match="corpus too short"):
+        TokenStreams(load_tokens(tmp_path / "short", "train"), 2, 16)
+    bad = {"short": "corpus too short", "missing": "not found: run `python -m fractus.data prepare"}
+    for d, msg in bad.items():
+        with pytest.raises(SystemExit) as e:
+            main(cli(tmp_path / d, tmp_path / f"run-{d}"))
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_bad_token_ids_and_vocab(tmp_path, data, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("meta.json", "val.bin", "train.bin"):
+        (bad / f).write_bytes((data / f).read_bytes())
+    ids = np.memmap(bad / "train.bin", dtype=np.uint16, mode="r+")
+    ids[5] = 600
+    ids.flush()
+    del ids
+    cases = [(bad, [], "token ids must lie in [0, 512)"),
+             (data, ["--set", "vocab_size=256"], "differs from the data's 512")]
+    for d, extra, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            main(cli(d, tmp_path / "run", *extra, tokens=64))
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    (bad / "train.bin").write_bytes((data / "train.bin").read_bytes()[:-2])
+    with pytest.raises(SystemExit):
+        main(cli(bad, tmp_path / "run", tokens=64))
+    assert "meta.json says" in capsys.readouterr().err
+
+
+def test_resume_refuses_other_settings(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", tokens=5 * 32))
+    cases = [(["--resume", "--batch-size", "3"], "--resume with different settings"),
+             (["--resume", "--set", "n_layers=3"], "--resume with different settings"),
+             ([], "exists: pass --resume")]
+    for extra, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            main(cli(data, out, "--eval-every", "0", *extra, tokens=10 * 32))
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(cli(data, tmp_path / "none", "--resume"))
+    assert "no checkpoint at" in capsys.readouterr().err
+    ck = load_checkpoint(out / "ckpt.pt")
+    save_checkpoint(out / "ckpt.pt", {**ck, "world": 2})  # as if written by 2 processes
+    with pytest.raises(SystemExit):
+        main(cli(data, out, "--eval-every", "0", "--resume", tokens=10 * 32))
+    assert "'processes': (2, 1)" in capsys.readouterr().err
+
+
+def test_pgsu_changes_only_the_active_blocks(data, tmp_path):
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", "--active-blocks", "1", "--set", "n_layers=3", tokens=32))
+    ck = load_checkpoint(out / "ckpt.pt")
+    torch.manual_seed(1337)
+    init = FractusCTE(FractusConfig.from_dict(ck["config"])).state_dict()
+    active = choose_active_blocks(3, 1, 1337, 0)
+    changed = {k for k, v in ck["model"].items() if not torch.equal(v, init[k])}
+    for i in range(3):
+        in_block = {k for k in changed if k.startswith(f"blocks.{i}.")}
+        assert bool(in_block) == (i in active), f"block {i}: {sorted(in_block)[:3]}"
+    assert "embed.weight" in changed and "ln_f.weight" in changed
+
+
+def test_grow_from_cli_keeps_the_loss(data, tmp_path, capsys):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    train(cli(data, src, "--eval-every", "0", tokens=3 * 32))
+    wider = ["--set", "d_model=64", "n_heads=4", "n_layers=3", "n_experts=6", "expert_d_ff=48"]
+    train(cli(data, dst, "--eval-every", "0", "--grow-from", str(src / "ckpt.pt"), *wider, tokens=32))
+    old = FractusCTE.load(src / "ckpt.pt")
+    x, y, _ = TokenStreams(load_tokens(data, "train"), 2, 16).next()
+    with torch.no_grad():
+        ce = old(x, None, y)[1]["ce"].item()
+    first = float(metrics(dst)[0]["train_ce"])
+    assert abs(first - ce) / ce < 1e-4, (first, ce)
+    assert load_checkpoint(dst / "ckpt.pt")["config"]["d_model"] == 64
+    train(cli(data, dst, "--eval-every", "0", "--resume", *wider, tokens=2 * 32))  # a grown run resumes
+    assert load_checkpoint(dst / "ckpt.pt")["step"] == 2
+    with pytest.raises(SystemExit) as e:
+        main(cli(data, tmp_path / "dst2", "--grow-from", str(src / "ckpt.pt"), "--set", "d_model=16",
+                 "n_heads=1", tokens=32))
+    assert e.value.code == 2 and "d_model 32 → 16 would shrink" in capsys.readouterr().err
