@@ -1,0 +1,348 @@
+"""Multi-level causal linear attention benchmark.
+
+CPU (fp32): (a) the chunked PyTorch path vs the token-by-token reference; (b) the chunked path
+vs the materialising formulation (cumulative sum of [B, T, H, D, D] outer products) at B=1,
+T=1024, H=16, D=64, one level, no decay: forward+backward time and peak RSS; targets ≥ 30×
+faster and ≤ 1/4 of the memory; and chunked time(T=4096) / time(T=1024) ≤ 4.5 (linear in T).
+GPU (bf16): forward and forward+backward at B=8, T ∈ {512, 2048, 8192}, 2 levels × 20 heads
+(40 level·heads), D=64: Triton vs the PyTorch chunked path (fp32 inside), fla's
+chunk_linear_attn when importable (levels folded into heads, feature maps and normalisation
+included), and the materialising formulation where it fits; decode step (B=1, T=1) Triton vs
+the PyTorch path, target ≥ 10×.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fractus.bench import common
+from fractus.kernels.linear_attention import linear_attention
+
+PHI = (1 + 5 ** 0.5) / 2
+CPU_THREADS = 1  # CPU timings: the bench machine's 2 cores are shared, OpenMP contention is erratic
+
+
+def omegas(levels):
+    return [PHI ** (-2 * l) for l in range(levels)]
+
+
+def make_inputs(B, T, H, D, levels=2, decay=False, state=False, dtype=torch.float32,
+                device="cpu", grad=True, seed=0):
+    """q, k, v [B, T, H, D] in dtype, level weights [Lv], decay [H] or None, state or None;
+    the floating leaves require grad when grad=True (state and weights in fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def leaf(x, dt=dtype):
+        return x.to(device=device, dtype=dt).requires_grad_(grad)
+    q, k, v = (leaf(torch.randn(B, T, H, D, generator=gen)) for _ in range(3))
+    w = leaf(torch.softmax(torch.randn(levels, generator=gen), 0), torch.float32)
+    g = (torch.rand(H, generator=gen) * 0.3 + 0.65).to(device) if decay else None
+    st = None
+    if state:
+        st = (leaf(0.5 * torch.randn(B, levels, H, D, D, generator=gen), torch.float32),
+              leaf(torch.rand(B, levels, H, D, generator=gen) * 2 + 1, torch.float32))
+    return q, k, v, w, g, st
+
+
+def materialising(q, k, v, w, oms, eps=1e-6):
+    """The naive formulation (no decay, zero initial state): S_t = cumsum of the [B, T, H, D, D]
+    outer products f(k)vᵀ, z_t = cumsum f(k), y = f(q)S_t / (f(q)·z_t + eps), in fp32."""
+    q, k, v = q.float(), k.float(), v.float()
+    o = 0.0
+    for l, om in enumerate(oms):
+        fq, fk = F.elu(q + om) + 1, F.elu(k + om) + 1
+        S = torch.cumsum(fk[..., :, None] * v[..., None, :], dim=1)
+        z = torch.cumsum(fk, dim=1)
+        num = torch.einsum("bthd,bthde->bthe", fq, S)
+        o = o + w[l] * num / ((fq * z).sum(-1, keepdim=True) + eps)
+    return o
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_fn():
+    """fla's chunk_linear_attn wrapped to our math: feature maps per level, levels folded into
+    heads, unnormalised numerator, the denominator by a second call with v = ones (our eps);
+    returns (fn(q, k, v, w, oms) -> o, note)."""
+    from fla.ops.linear_attn import chunk_linear_attn
+    params = inspect.signature(chunk_linear_attn).parameters
+    kw = dict(scale=1.0)
+    if "head_first" in params:
+        kw["head_first"] = False
+    if "normalize" in params:
+        kw["normalize"] = False
+
+    def fn(q, k, v, w, oms, eps=1e-6):
+        Lv, H = len(oms), q.shape[2]
+        fq = torch.cat([F.elu(q + om) + 1 for om in oms], 2)  # [B, T, Lv·H, D]
+        fk = torch.cat([F.elu(k + om) + 1 for om in oms], 2)
+        vv = v.repeat(1, 1, Lv, 1)
+        num = chunk_linear_attn(fq, fk, vv, **kw)[0]
+        den = chunk_linear_attn(fq, fk, torch.ones_like(vv), **kw)[0][..., :1]
+        y = (num.float() / (den.float() + eps)).unflatten(2, (Lv, H))
+        return torch.einsum("l,btlhd->bthd", w, y).to(q.dtype)
+    return fn, "fla chunk_linear_attn, normalize=False; denominator by a second call with v=ones"
+
+
+def _run(impl, q, k, v, w, oms, g=None, st=None):
+    """impl ∈ torch / triton / reference / materialising / fla → o (state ignored for the last two)."""
+    if impl == "materialising":
+        return materialising(q, k, v, w, oms)
+    if impl == "fla":
+        return _fla_fn()[0](q, k, v, w, oms)
+    return linear_attention(q, k, v, w, oms, g, st, backend=impl)[0]
+
+
+def _fwd_bwd(impl, q, k, v, w, oms):
+    for x in (q, k, v, w):
+        x.grad = None
+    _run(impl, q, k, v, w, oms).float().sum().backward()
+
+
+def peak_case(impl, B, T, H, D, levels):
+    """For cpu_peak_bytes: inputs, then a forward+backward thunk."""
+    q, k, v, w, _, _ = make_inputs(B, T, H, D, levels)
+    oms = omegas(levels)
+    return lambda: _fwd_bwd(impl, q, k, v, w, oms)
+
+
+# ----------------------------------------------------------------------------- CPU
+def cpu_rows(smoke: bool = False) -> list[dict]:
+    """(a) chunked vs reference; (b) chunked vs materialising + the T-scaling check (fp32).
+
+    Peak RSS is measured first: a spawned child's ru_maxrss starts at the parent's RSS at spawn
+    time, so it must be taken while this process is still small. Timings run on CPU_THREADS
+    threads (the bench machine's cores are shared; OpenMP with oversubscribed cores is erratic)."""
+    b = dict(B=1, T=256, H=2, D=16) if smoke else dict(B=1, T=1024, H=16, D=64)
+    peaks = {impl: common.cpu_peak_bytes("fractus.bench.linear_attention:peak_case", impl=impl, **b, levels=1)
+             for impl in ("torch", "materialising")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CPU_THREADS)
+    try:
+        return _cpu_timings(smoke, b, peaks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cpu_timings(smoke, b, peaks):
+    reps = dict(warmup=1, reps=2 if smoke else 3)
+    common_cols = dict(bench="linear_attention", mode="fwd+bwd", dtype="fp32", threads=CPU_THREADS)
+    rows = []
+    # (a) chunked PyTorch path vs the token-by-token reference, 2 levels with decay
+    a = dict(B=1, T=64, H=2, D=32) if smoke else dict(B=1, T=512, H=4, D=64)
+    q, k, v, w, g, _ = make_inputs(**a, levels=2, decay=True)
+    oms = omegas(2)
+    times = {}
+    for impl in ("torch", "reference"):
+        def thunk(impl=impl):
+            for x in (q, k, v, w):
+                x.grad = None
+            linear_attention(q, k, v, w, oms, g, backend=impl)[0].sum().backward()
+        times[impl] = common.median_time(thunk, **reps)
+    for impl in ("torch", "reference"):
+        rows.append(dict(common_cols, case="vs_reference", impl=impl, **a, levels=2, decay=True,
+                         time_s=times[impl], speedup_vs_baseline=times["reference"] / times[impl],
+                         baseline="reference"))
+    del q, k, v, w, g
+    # (b) chunked vs materialising at T=1024, D=64, 16 heads, B=1, one level
+    q, k, v, w, _, _ = make_inputs(**b, levels=1)
+    oms = omegas(1)
+    tm_ = common.median_time(lambda: _fwd_bwd("materialising", q, k, v, w, oms), **reps)
+    # linear in T: the chunked path at T and 4·T, timed alternately (the shared machine's load
+    # drifts; interleaving exposes both sizes to the same drift)
+    b4 = dict(b, T=4 * b["T"])
+    q4, k4, v4, w4, _, _ = make_inputs(**b4, levels=1)
+    tc, t4 = _interleaved_medians([lambda: _fwd_bwd("torch", q, k, v, w, oms),
+                                   lambda: _fwd_bwd("torch", q4, k4, v4, w4, oms)],
+                                  reps=3 if smoke else 7)
+    times = {"torch": tc, "materialising": tm_}
+    pc, pm = peaks["torch"], peaks["materialising"]
+    for impl in ("torch", "materialising"):
+        row = dict(common_cols, case="vs_materialising", impl=impl, **b, levels=1, decay=False,
+                   time_s=times[impl], peak_rss_bytes=peaks[impl], speedup_vs_baseline=tm_ / times[impl],
+                   mem_vs_baseline=peaks[impl] / max(pm, 1), baseline="materialising")
+        if impl == "torch":
+            row["target"] = "speedup >= 30x and memory <= 1/4 of materialising"
+            row["target_met"] = tm_ / tc >= 30 and 0 < pc <= pm / 4
+        rows.append(row)
+    rows.append(dict(common_cols, case="T_scaling", impl="torch", **b4, levels=1, decay=False,
+                     time_s=t4, baseline=f"torch at T={b['T']}", time_ratio_vs_baseline=t4 / tc,
+                     target="time(4T)/time(T) <= 4.5", target_met=t4 / tc <= 4.5))
+    return rows
+
+
+def _interleaved_medians(fns, reps):
+    """Median wall time of each fn, the fns called in turn rep after rep (after one warm-up each)."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
+# ----------------------------------------------------------------------------- GPU
+def _mat_bytes(B, T, N, D):
+    """Rough peak of the materialising forward+backward: ~6 fp32 [B, T, N, D, D] tensors."""
+    return 6 * B * T * N * D * D * 4
+
+
+def gpu_rows(smoke: bool = False) -> list[dict]:
+    """bf16 timings on CUDA (smoke: fp32, tiny, Triton interpreter on CPU)."""
+    if smoke:
+        device, dtype, H, Lv, D, B, Ts = "cpu", torch.float32, 2, 2, 32, 1, (40,)
+    else:
+        device, dtype, H, Lv, D, B, Ts = "cuda", torch.bfloat16, 20, 2, 64, 8, (512, 2048, 8192)
+    dname = str(dtype).replace("torch.", "")
+    oms = omegas(Lv)
+    timer = (lambda f: common.median_time(f, warmup=1, reps=2, device=device)) if smoke else \
+        (lambda f: common.median_time(f, device=device))
+    rows = []
+    try:
+        fla, fla_note = _fla_fn()
+    except ImportError as exc:
+        fla, fla_note = None, f"not installed ({exc})"
+    for T in Ts:
+        q, k, v, w, _, _ = make_inputs(B, T, H, D, Lv, dtype=dtype, device=device)
+        meta = dict(bench="linear_attention", dtype=dname, B=B, T=T, H=H, levels=Lv, D=D)
+        for mode in ("fwd", "fwd+bwd"):
+            timed = {}
+            for impl in ("triton", "torch", "fla", "materialising"):
+                row = dict(meta, mode=mode, impl=impl)
+                if impl == "fla" and fla is None:
+                    rows.append(dict(row, note=fla_note))
+                    continue
+                if impl == "materialising" and device == "cuda" and \
+                        _mat_bytes(B, T, Lv * H, D) > 0.8 * torch.cuda.mem_get_info()[0]:
+                    rows.append(dict(row, note=f"skipped: needs ~{_mat_bytes(B, T, Lv * H, D) / 2**30:.0f} GiB"))
+                    continue
+                try:
+                    if mode == "fwd":
+                        def thunk(impl=impl):
+                            with torch.no_grad():
+                                _run(impl, q, k, v, w, oms)
+                    else:
+                        def thunk(impl=impl):
+                            _fwd_bwd(impl, q, k, v, w, oms)
+                    tm = timer(thunk)
+                    row["time_s"] = tm
+                    if device == "cuda":
+                        row["peak_bytes"] = common.cuda_peak_bytes(thunk)
+                    if impl == "fla":
+                        row["note"] = fla_note
+                    timed[impl] = tm
+                except Exception as exc:  # a baseline failing (OOM, fla on CPU) is recorded
+                    row["note"] = f"error: {type(exc).__name__}: {exc}"[:300]
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                rows.append(row)
+            for r in rows[-4:]:
+                if "time_s" in r:
+                    for other in ("torch", "fla", "materialising"):
+                        if other in timed and other != r["impl"]:
+                            r[f"speedup_vs_{other}"] = timed[other] / r["time_s"]
+    # decode step: B=1, T=1, carried state, no autograd
+    q, k, v, w, g, st = make_inputs(1, 1, H, D, Lv, decay=True, state=True, dtype=dtype,
+                                    device=device, grad=False)
+    dec = {}
+    for impl in ("triton", "torch"):
+        def thunk(impl=impl):
+            with torch.no_grad():
+                linear_attention(q, k, v, w, oms, g, st, backend=impl)
+        dec[impl] = timer(thunk)
+    for impl, tm in dec.items():
+        row = dict(bench="linear_attention", dtype=dname, B=1, T=1, H=H, levels=Lv, D=D,
+                   mode="decode", impl=impl, time_s=tm, speedup_vs_torch=dec["torch"] / tm)
+        if impl == "triton":
+            row.update(target="decode >= 10x the PyTorch path", target_met=dec["torch"] / tm >= 10)
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- correctness
+def _rel_err(x, ref):
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+NAMES = ("o", "S", "z", "dq", "dk", "dv", "dw", "dS0", "dz0")
+
+
+def _outputs(backend, inputs, dtype, grad):
+    """Run on copies in dtype (state, weights fp32; fp64 for the truth): o, S, z (+ grads)."""
+    q, k, v, w, g, st = inputs
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    leaves = [x.detach().to(dtype).requires_grad_(grad) for x in (q, k, v)]
+    leaves += [w.detach().to(sdt).requires_grad_(grad)]
+    leaves += [x.detach().to(sdt).requires_grad_(grad) for x in st]
+    with torch.set_grad_enabled(grad):
+        o, (S, z) = linear_attention(*leaves[:4], omegas(w.numel()), g.to(sdt), tuple(leaves[4:]),
+                                     backend=backend)
+    outs = [o, S, z]
+    if grad:
+        gen = torch.Generator().manual_seed(1)
+        loss = sum((x.double() * torch.randn(x.shape, generator=gen, dtype=torch.float64)
+                    .to(x.device)).sum() for x in outs)
+        outs += list(torch.autograd.grad(loss, leaves))
+    return outs
+
+
+def correctness_rows(device, smoke: bool = False) -> list[dict]:
+    """Triton (chunked with gradients, and the decode kernel) vs the reference run in fp64 on the
+    same rounded inputs. fp32: rel_err < 1e-4. Low precision (bf16 on CUDA, fp16 on CPU whose
+    interpreter has no correct bf16): rel_err ≤ that of the PyTorch path in the same dtype +
+    margin (dw, a sum of B·T·H·D mostly cancelling terms, gets 3× the margin). Recorded, never raised."""
+    device = torch.device(device)
+    lowp = torch.bfloat16 if device.type == "cuda" else torch.float16
+    if smoke:
+        cases = [("chunked", dict(B=2, T=40, H=2, D=48), True), ("decode", dict(B=2, T=1, H=2, D=32), False)]
+    else:
+        cases = [("chunked", dict(B=2, T=300, H=3, D=48), True), ("chunked", dict(B=2, T=200, H=2, D=64), True),
+                 ("decode", dict(B=2, T=1, H=3, D=64), False), ("decode", dict(B=2, T=7, H=3, D=48), False)]
+    rows = []
+    for kind, shape, grad in cases:
+        for dtype in (torch.float32, lowp):
+            dname = str(dtype).replace("torch.", "")
+            kernel = f"linear_attention[{kind} T={shape['T']} D={shape['D']}]"
+            try:
+                inputs = make_inputs(**shape, levels=2, decay=True, state=True, dtype=dtype,
+                                     device=device, grad=False)
+                got = _outputs("triton", inputs, dtype, grad)
+                truth = _outputs("reference", inputs, torch.float64, grad)
+                same = _outputs("torch", inputs, dtype, grad) if dtype != torch.float32 else None
+                margin = 1e-2 if dtype == torch.bfloat16 else 1e-3
+                for i, name in enumerate(NAMES[:len(got)]):
+                    e = _rel_err(got[i], truth[i])
+                    if same is None:
+                        tol, check = 1e-4, f"{name} vs fp64 reference"
+                    else:
+                        tol = _rel_err(same[i], truth[i]) + margin * (3 if name == "dw" else 1)
+                        check = f"{name} vs fp64 truth (<= same-dtype torch path err + margin)"
+                    rows.append(dict(kernel=kernel, dtype=dname, check=check, rel_err=e, tol=tol,
+                                     passed=e <= tol))
+            except Exception as exc:  # recorded, not raised
+                rows.append(dict(kernel=kernel, dtype=dname, check=f"error: {type(exc).__name__}: {exc}"[:300],
+                                 rel_err=float("nan"), tol=float("nan"), passed=False))
+    return rows
+
+
+def main() -> None:
+    rows = cpu_rows(smoke=common.SMOKE)
+    path = common.write_csv("results/linear_attention_cpu.csv", rows, "cpu")
+    for r in rows:
+        print({k: r.get(k) for k in ("case", "impl", "T", "time_s", "peak_rss_bytes", "speedup_vs_baseline",
+                                     "mem_vs_baseline", "time_ratio_vs_baseline", "target_met")})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,605 @@
+"""Multi-level causal linear attention with carried state.
+
+Shapes: q, k, v [B, T, H, D] (pre feature map, any float dtype); level_weights [Lv] (already
+softmaxed); omegas Lv python floats; decay None or [H] in (0, 1]; state None or
+(S [B, Lv, H, D, D] fp32, z [B, Lv, H, D] fp32). Per level l the feature map is
+f_l(u) = elu(u + ω_l) + 1 and, per (b, l, h), inclusive of position t:
+
+    S_t = γ·S_{t−1} + f_l(k_t) v_tᵀ,   z_t = γ·z_{t−1} + f_l(k_t)
+    y_{l,t} = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + eps),   o_t = Σ_l level_weights[l]·y_{l,t}
+
+Returns o [B, T, H, D] in q's dtype and the state after the last position (S, z) in fp32.
+
+Paths, in order: the fp32 token-by-token reference, the chunked PyTorch path (levels folded
+into the head axis, the denominator as a ones column appended to v, state carried chunk to
+chunk), the Triton kernels (a sequential chunk-state pass plus a parallel output pass; backward
+recomputes chunk states and runs the reverse recurrence; a one-launch decode kernel for small T),
+and :func:`linear_attention`, which dispatches through :func:`fractus.kernels.backend.pick`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fractus.kernels import backend as _backend
+
+__all__ = ["linear_attention", "linear_attention_reference"]
+
+
+def _check(q, k, v, level_weights, omegas, decay, state):
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must all be [B, T, H, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, H, D = q.shape
+    Lv = len(omegas)
+    if T < 1 or Lv < 1:
+        raise ValueError(f"need T >= 1 and at least one level; got T={T}, {Lv} levels")
+    if level_weights.shape != (Lv,):
+        raise ValueError(f"level_weights must be [Lv]={Lv}, got {tuple(level_weights.shape)}")
+    if decay is not None and decay.shape != (H,):
+        raise ValueError(f"decay must be None or [H]={H}, got {tuple(decay.shape)}")
+    if state is not None:
+        S, z = state
+        if S.shape != (B, Lv, H, D, D) or z.shape != (B, Lv, H, D):
+            raise ValueError(f"state must be (S [B, Lv, H, D, D], z [B, Lv, H, D]) = "
+                             f"({(B, Lv, H, D, D)}, {(B, Lv, H, D)}); got "
+                             f"({tuple(S.shape)}, {tuple(z.shape)})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (fp32, token by token)
+# ----------------------------------------------------------------------------------------------
+
+def linear_attention_reference(q, k, v, level_weights, omegas, decay=None, state=None, eps=1e-6):
+    """The recurrence above, one position at a time in fp32 (fp64 for fp64 inputs, which tests
+    use as the truth). Returns (o, (S, z))."""
+    _check(q, k, v, level_weights, omegas, decay, state)
+    B, T, H, D = q.shape
+    Lv = len(omegas)
+    dt = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
+    w = level_weights.to(dt)
+    g = torch.ones(H, dtype=dt, device=q.device) if decay is None else decay.to(dt)
+    if state is None:
+        S = torch.zeros(B, Lv, H, D, D, dtype=dt, device=q.device)
+        z = torch.zeros(B, Lv, H, D, dtype=dt, device=q.device)
+    else:
+        S, z = state[0].to(dt), state[1].to(dt)
+    outs = []
+    for t in range(T):
+        fq = torch.stack([F.elu(qf[:, t] + om) + 1 for om in omegas], 1)  # [B, Lv, H, D]
+        fk = torch.stack([F.elu(kf[:, t] + om) + 1 for om in omegas], 1)
+        S = g.view(1, 1, H, 1, 1) * S + fk[..., :, None] * vf[:, t, None, :, None, :]
+        z = g.view(1, 1, H, 1) * z + fk
+        num = torch.einsum("blhd,blhde->blhe", fq, S)
+        den = (fq * z).sum(-1, keepdim=True)
+        outs.append(torch.einsum("l,blhe->bhe", w, num / (den + eps)))
+    return torch.stack(outs, 1).to(q.dtype), (S, z)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked PyTorch path (CPU): levels folded into heads, numerator and denominator together
+# ----------------------------------------------------------------------------------------------
+
+_CPU_CHUNK = 64
+
+
+def _fold_features(x, omegas):
+    """[B, T, H, D] -> fp32 features [B, Lv·H, T, D], level-major (index l·H + h)."""
+    x = x.float().transpose(1, 2).contiguous()
+    feats = [F.elu(x + om).add_(1.0) for om in omegas]
+    return torch.cat(feats, dim=1) if len(feats) > 1 else feats[0]
+
+
+def _chunks(fq, fk, ve, S, lg, C):
+    """Equal chunks of C positions. fq, fk [B, N, n·C, D]; ve [B, N, n·C, E] (v with a ones
+    column); S [B, N, D, E] the state before the first position; lg [N] log-decay or None.
+    Returns the unnormalised outputs [B, N, n·C, E] and the state after the last position."""
+    B, N, TT, D = fq.shape
+    E = ve.shape[-1]
+    n = TT // C
+    q = fq.reshape(B, N, n, C, D)
+    k = fk.reshape(B, N, n, C, D)
+    v = ve.reshape(B, N, n, C, E)
+    i = torch.arange(C, device=fq.device)
+    causal = i[:, None] >= i[None, :]
+    if lg is None:
+        A = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)
+        kw, qw, gC = k, q, None
+    else:
+        lgv = lg.view(N, 1)
+        M = torch.exp(lgv[..., None] * (i[:, None] - i[None, :]).clamp_min(0)) * causal  # [N, C, C]
+        A = (q @ k.transpose(-1, -2)) * M[None, :, None]
+        kw = k * torch.exp(lgv * (C - 1 - i)).view(1, N, 1, C, 1)
+        qw = q * torch.exp(lgv * (i + 1)).view(1, N, 1, C, 1)
+        gC = torch.exp(lg * C).view(1, N, 1, 1)
+    delta = kw.transpose(-1, -2) @ v  # [B, N, n, D, E]
+    starts = []
+    for d in delta.unbind(2):
+        starts.append(S)
+        S = S + d if gC is None else gC * S + d
+    y = qw @ torch.stack(starts, 2) + A @ v
+    return y.reshape(B, N, TT, E), S
+
+
+def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
+    """Chunked forward in fp32 with plain autograd; cost linear in T, no [B, T, D, D] tensor."""
+    B, T, H, D = q.shape
+    Lv = len(omegas)
+    N = Lv * H
+    fq, fk = _fold_features(q, omegas), _fold_features(k, omegas)
+    vt = v.float().transpose(1, 2)  # [B, H, T, D] (made contiguous by the cat below)
+    ve = torch.cat([vt, torch.ones_like(vt[..., :1])], -1)  # [B, H, T, D+1]
+    if Lv > 1:
+        ve = ve.repeat(1, Lv, 1, 1)  # [B, N, T, D+1]
+    if state is None:
+        S = torch.zeros(B, N, D, D + 1, device=q.device)
+    else:
+        S = torch.cat([state[0].float(), state[1].float()[..., None]], -1).reshape(B, N, D, D + 1)
+    lg = None if decay is None else torch.log(decay.detach().float()).repeat(Lv)
+    C = min(_CPU_CHUNK, T)
+    full = (T // C) * C
+    ys = []
+    y, S = _chunks(fq[:, :, :full], fk[:, :, :full], ve[:, :, :full], S, lg, C)
+    ys.append(y)
+    if full < T:
+        y, S = _chunks(fq[:, :, full:], fk[:, :, full:], ve[:, :, full:], S, lg, T - full)
+        ys.append(y)
+    y = torch.cat(ys, 2) if len(ys) > 1 else ys[0]
+    # w_l / (den + eps) on the [B, N, T, 1] column, then one pass over the numerator
+    scale = level_weights.float().repeat_interleave(H).view(1, N, 1, 1) / (y[..., D:] + eps)
+    o = y[..., :D] * scale  # [B, N, T, D]
+    o = o.view(B, Lv, H, T, D).sum(1) if Lv > 1 else o
+    S = S.reshape(B, Lv, H, D, D + 1)
+    return o.transpose(1, 2).to(q.dtype).contiguous(), (S[..., :D], S[..., D])
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: chunk-state pass + parallel output pass; backward recomputes chunk states, runs the
+# reverse recurrence for (dS, dz), then a parallel gradient pass; one-launch decode kernel.
+# Folded head index n = (b·Lv + l)·H + h. Chunk-state buffers: [B, Lv, H, NC, D, D] / [.., D] fp32.
+# ----------------------------------------------------------------------------------------------
+
+_DECODE_MAX_T = 16
+
+
+def _configs(warps):
+    """Autotune configs (a single one in the interpreter)."""
+    if _backend.interpreting():
+        return [triton.Config({}, num_warps=4)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in warps for s in (1, 2)]
+
+
+@triton.jit
+def _feature(x, om, mask):
+    """f(x) = elu(x + ω) + 1 in fp32, 0 where masked (padding must not enter the state)."""
+    u = x + om
+    return tl.where(mask, tl.where(u > 0, u + 1.0, tl.exp(u)), 0.0)
+
+
+@triton.autotune(configs=_configs((4, 8)), key=["BT", "BD"])
+@triton.jit
+def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_ptr, sf_ptr, zf_ptr,
+                      T, H, D, NC, LV: tl.constexpr,
+                      HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
+                      BT: tl.constexpr, BD: tl.constexpr):
+    """Sequential over chunks for one folded head: stores each chunk's starting (S, z), then
+    S ← γ^L·S + (γ^{L−1−s} f(k))ᵀ v, z likewise (L = the chunk's length); optional final state."""
+    DT = v_ptr.dtype.element_ty
+    n = tl.program_id(0).to(tl.int64)
+    h = n % H
+    l = (n // H) % LV
+    b = n // (H * LV)
+    om = tl.load(om_ptr + l)
+    lg = tl.log(tl.load(g_ptr + h))
+    rt = tl.arange(0, BT)
+    rd = tl.arange(0, BD)
+    dmask = rd < D
+    smask = dmask[:, None] & dmask[None, :]
+    soff = rd[:, None] * D + rd[None, :]
+    if HAS_INIT:
+        S = tl.load(s0_ptr + n * D * D + soff, mask=smask, other=0.0)
+        z = tl.load(z0_ptr + n * D + rd, mask=dmask, other=0.0)
+    else:
+        S = tl.zeros([BD, BD], dtype=tl.float32)
+        z = tl.zeros([BD], dtype=tl.float32)
+    base = b * T * H * D + h * D
+    for c in range(NC):
+        hoff = n * NC + c
+        tl.store(hs_ptr + hoff * D * D + soff, S, mask=smask)
+        tl.store(zs_ptr + hoff * D + rd, z, mask=dmask)
+        t = c * BT + rt
+        m2 = (t < T)[:, None] & dmask[None, :]
+        off = base + t.to(tl.int64)[:, None] * H * D + rd[None, :]
+        fk = _feature(tl.load(k_ptr + off, mask=m2, other=0.0).to(tl.float32), om, m2)
+        vx = tl.load(v_ptr + off, mask=m2, other=0.0)
+        L = tl.minimum(T - c * BT, BT)
+        fk = fk * tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32))[:, None]
+        gL = tl.exp(lg * L.to(tl.float32))
+        S = S * gL + tl.dot(tl.trans(fk.to(DT)), vx, input_precision=PREC)
+        z = z * gL + tl.sum(fk, 0)
+    if STORE_FINAL:
+        tl.store(sf_ptr + n * D * D + soff, S, mask=smask)
+        tl.store(zf_ptr + n * D + rd, z, mask=dmask)
+
+
+@triton.autotune(configs=_configs((4, 8)), key=["BT", "BD"])
+@triton.jit
+def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_ptr, y_ptr, den_ptr,
+                   B, T, H, D, NC, eps, LV: tl.constexpr,
+                   STORE_Y: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """One (chunk, b, h) over all levels: num = (γ^{i+1} f(q)) S_c + (f(q) f(k)ᵀ ∘ M) v, den the
+    same with z_c and a ones column (M_ts = γ^{t−s}, t ≥ s); o = Σ_l w_l num/(den + eps).
+    With STORE_Y, per-level y [Lv, B, T, H, D] and den [B, Lv, H, T] (fp32) are kept for backward."""
+    DT = v_ptr.dtype.element_ty
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    lg = tl.log(tl.load(g_ptr + h))
+    rt = tl.arange(0, BT)
+    rd = tl.arange(0, BD)
+    t = c * BT + rt
+    tmask = t < T
+    dmask = rd < D
+    m2 = tmask[:, None] & dmask[None, :]
+    smask = dmask[:, None] & dmask[None, :]
+    soff = rd[:, None] * D + rd[None, :]
+    row = h * D + t.to(tl.int64)[:, None] * H * D + rd[None, :]
+    off = b * T * H * D + row
+    qx = tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    kx = tl.load(k_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    vx = tl.load(v_ptr + off, mask=m2, other=0.0)
+    gq = tl.exp(lg * (rt + 1).to(tl.float32))
+    causal = rt[:, None] >= rt[None, :]
+    M = tl.where(causal, tl.exp(lg * tl.maximum(rt[:, None] - rt[None, :], 0).to(tl.float32)), 0.0)
+    o = tl.zeros([BT, BD], dtype=tl.float32)
+    for l in tl.static_range(LV):
+        om = tl.load(om_ptr + l)
+        fq = _feature(qx, om, m2)
+        fk = _feature(kx, om, m2)
+        n = (b * LV + l) * H + h
+        hoff = n * NC + c
+        S = tl.load(hs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
+        z = tl.load(zs_ptr + hoff * D + rd, mask=dmask, other=0.0)
+        qd = fq * gq[:, None]
+        A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
+        num = tl.dot(qd.to(DT), S.to(DT), input_precision=PREC)
+        num += tl.dot(A.to(DT), vx, input_precision=PREC)
+        den = tl.sum(qd * z[None, :], 1) + tl.sum(A, 1)
+        y = num / (den + eps)[:, None]
+        o += tl.load(w_ptr + l).to(tl.float32) * y
+        if STORE_Y:
+            tl.store(y_ptr + (l * B + b) * T * H * D + row, y, mask=m2)
+            tl.store(den_ptr + n * T + t, den, mask=tmask)
+    tl.store(o_ptr + off, o.to(o_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _out_grads(do, y, den, wl, eps):
+    """dy = w_l·dO split into the numerator grad g [BT, BD] and the denominator grad gz [BT]."""
+    inv = wl / (den + eps)
+    return do * inv[:, None], -tl.sum(do * y, 1) * inv
+
+
+@triton.autotune(configs=_configs((4, 8)), key=["BT", "BD"])
+@triton.jit
+def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, dsf_ptr, dzf_ptr,
+                          dhs_ptr, dzs_ptr, ds0_ptr, dz0_ptr, B, T, H, D, NC, eps,
+                          LV: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                          STORE_DINIT: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr,
+                          BD: tl.constexpr):
+    """Reverse recurrence for one folded head: stores the grad of each chunk's end state, then
+    dS ← γ^L·dS + (γ^{i+1} f(q))ᵀ g, dz ← γ^L·dz + (γ^{i+1} f(q))ᵀ gz; optional initial-state grad."""
+    DT = q_ptr.dtype.element_ty
+    n = tl.program_id(0).to(tl.int64)
+    h = n % H
+    l = (n // H) % LV
+    b = n // (H * LV)
+    om = tl.load(om_ptr + l)
+    wl = tl.load(w_ptr + l).to(tl.float32)
+    lg = tl.log(tl.load(g_ptr + h))
+    rt = tl.arange(0, BT)
+    rd = tl.arange(0, BD)
+    dmask = rd < D
+    smask = dmask[:, None] & dmask[None, :]
+    soff = rd[:, None] * D + rd[None, :]
+    if HAS_DFINAL:
+        dS = tl.load(dsf_ptr + n * D * D + soff, mask=smask, other=0.0)
+        dz = tl.load(dzf_ptr + n * D + rd, mask=dmask, other=0.0)
+    else:
+        dS = tl.zeros([BD, BD], dtype=tl.float32)
+        dz = tl.zeros([BD], dtype=tl.float32)
+    base = b * T * H * D + h * D
+    gq = tl.exp(lg * (rt + 1).to(tl.float32))
+    for i in range(NC):
+        c = NC - 1 - i
+        hoff = n * NC + c
+        tl.store(dhs_ptr + hoff * D * D + soff, dS, mask=smask)
+        tl.store(dzs_ptr + hoff * D + rd, dz, mask=dmask)
+        t = c * BT + rt
+        tmask = t < T
+        m2 = tmask[:, None] & dmask[None, :]
+        off = base + t.to(tl.int64)[:, None] * H * D + rd[None, :]
+        qd = _feature(tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32), om, m2) * gq[:, None]
+        do = tl.load(do_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + l * B * T * H * D + off, mask=m2, other=0.0)
+        den = tl.load(den_ptr + n * T + t, mask=tmask, other=0.0)
+        g, gz = _out_grads(do, y, den, wl, eps)
+        gL = tl.exp(lg * tl.minimum(T - c * BT, BT).to(tl.float32))
+        dS = dS * gL + tl.dot(tl.trans(qd.to(DT)), g.to(DT), input_precision=PREC)
+        dz = dz * gL + tl.sum(qd * gz[:, None], 0)
+    if STORE_DINIT:
+        tl.store(ds0_ptr + n * D * D + soff, dS, mask=smask)
+        tl.store(dz0_ptr + n * D + rd, dz, mask=dmask)
+
+
+@triton.autotune(configs=_configs((8, 4)), key=["BT", "BD"])
+@triton.jit
+def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr,
+                         hs_ptr, zs_ptr, dhs_ptr, dzs_ptr, dq_ptr, dk_ptr, dv_ptr, dwp_ptr,
+                         B, T, H, D, NC, eps, LV: tl.constexpr,
+                         PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """One (chunk, b, h) over all levels: dq, dk, dv (inter-chunk terms from S_c, z_c and the
+    end-state grads dS, dz; intra-chunk terms through the decay mask), summed over levels with
+    the feature-map derivative; per-level Σ dO·y_l into dwp [B·H, NC, Lv] for the level weights."""
+    DT = v_ptr.dtype.element_ty
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    lg = tl.log(tl.load(g_ptr + h))
+    rt = tl.arange(0, BT)
+    rd = tl.arange(0, BD)
+    t = c * BT + rt
+    tmask = t < T
+    dmask = rd < D
+    m2 = tmask[:, None] & dmask[None, :]
+    smask = dmask[:, None] & dmask[None, :]
+    soff = rd[:, None] * D + rd[None, :]
+    row = h * D + t.to(tl.int64)[:, None] * H * D + rd[None, :]
+    off = b * T * H * D + row
+    qx = tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    kx = tl.load(k_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    vx = tl.load(v_ptr + off, mask=m2, other=0.0)
+    do = tl.load(do_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    L = tl.minimum(T - c * BT, BT)
+    gq = tl.exp(lg * (rt + 1).to(tl.float32))
+    gk = tl.where(rt < L, tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32)), 0.0)
+    causal = rt[:, None] >= rt[None, :]
+    M = tl.where(causal, tl.exp(lg * tl.maximum(rt[:, None] - rt[None, :], 0).to(tl.float32)), 0.0)
+    dq = tl.zeros([BT, BD], dtype=tl.float32)
+    dk = tl.zeros([BT, BD], dtype=tl.float32)
+    dv = tl.zeros([BT, BD], dtype=tl.float32)
+    for l in tl.static_range(LV):
+        om = tl.load(om_ptr + l)
+        fq = _feature(qx, om, m2)
+        fk = _feature(kx, om, m2)
+        n = (b * LV + l) * H + h
+        hoff = n * NC + c
+        y = tl.load(y_ptr + (l * B + b) * T * H * D + row, mask=m2, other=0.0)
+        den = tl.load(den_ptr + n * T + t, mask=tmask, other=0.0)
+        tl.store(dwp_ptr + (bh * NC + c) * LV + l, tl.sum(tl.sum(do * y, 1), 0))
+        g, gz = _out_grads(do, y, den, tl.load(w_ptr + l).to(tl.float32), eps)
+        S = tl.load(hs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
+        z = tl.load(zs_ptr + hoff * D + rd, mask=dmask, other=0.0)
+        dS = tl.load(dhs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
+        dz = tl.load(dzs_ptr + hoff * D + rd, mask=dmask, other=0.0)
+        gd = g.to(DT)
+        fqd = fq.to(DT)
+        fkd = fk.to(DT)
+        dA = (tl.dot(gd, tl.trans(vx), input_precision=PREC) + gz[:, None]) * M
+        A = tl.dot(fqd, tl.trans(fkd), input_precision=PREC) * M
+        dqf = tl.dot(gd, tl.trans(S).to(DT), input_precision=PREC) + gz[:, None] * z[None, :]
+        dqf = dqf * gq[:, None] + tl.dot(dA.to(DT), fkd, input_precision=PREC)
+        dkf = tl.dot(vx, tl.trans(dS).to(DT), input_precision=PREC) + dz[None, :]
+        dkf = dkf * gk[:, None] + tl.dot(tl.trans(dA).to(DT), fqd, input_precision=PREC)
+        dvf = tl.dot(fkd, dS.to(DT), input_precision=PREC) * gk[:, None]
+        dvf += tl.dot(tl.trans(A).to(DT), gd, input_precision=PREC)
+        # d f / d x = 1 where x + ω > 0, else exp(x + ω) = f (and 0 on padding, where f = 0)
+        dq += dqf * tl.where(qx + om > 0, 1.0, fq)
+        dk += dkf * tl.where(kx + om > 0, 1.0, fk)
+        dv += dvf
+    tl.store(dq_ptr + off, dq.to(dq_ptr.dtype.element_ty), mask=m2)
+    tl.store(dk_ptr + off, dk.to(dk_ptr.dtype.element_ty), mask=m2)
+    tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, o_ptr, sf_ptr,
+                      zf_ptr, T, H, D, eps, LV: tl.constexpr,
+                      HAS_INIT: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr):
+    """One (b, h), all levels, T ≤ TB positions one by one with the state in registers (fp32):
+    the recurrence exactly as written; o rows collected in registers, new (S, z) stored."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    gam = tl.load(g_ptr + h)
+    rt = tl.arange(0, TB)
+    rd = tl.arange(0, BD)
+    dmask = rd < D
+    smask = dmask[:, None] & dmask[None, :]
+    soff = rd[:, None] * D + rd[None, :]
+    base = b * T * H * D + h * D
+    acc = tl.zeros([TB, BD], dtype=tl.float32)
+    for l in tl.static_range(LV):
+        om = tl.load(om_ptr + l)
+        wl = tl.load(w_ptr + l).to(tl.float32)
+        n = (b * LV + l) * H + h
+        if HAS_INIT:
+            S = tl.load(s0_ptr + n * D * D + soff, mask=smask, other=0.0)
+            z = tl.load(z0_ptr + n * D + rd, mask=dmask, other=0.0)
+        else:
+            S = tl.zeros([BD, BD], dtype=tl.float32)
+            z = tl.zeros([BD], dtype=tl.float32)
+        for t in range(T):
+            off = base + t * H * D + rd
+            fq = _feature(tl.load(q_ptr + off, mask=dmask, other=0.0).to(tl.float32), om, dmask)
+            fk = _feature(tl.load(k_ptr + off, mask=dmask, other=0.0).to(tl.float32), om, dmask)
+            vx = tl.load(v_ptr + off, mask=dmask, other=0.0).to(tl.float32)
+            S = gam * S + fk[:, None] * vx[None, :]
+            z = gam * z + fk
+            y = tl.sum(fq[:, None] * S, 0) / (tl.sum(fq * z, 0) + eps)
+            acc = tl.where(rt[:, None] == t, acc + wl * y[None, :], acc)
+        tl.store(sf_ptr + n * D * D + soff, S, mask=smask)
+        tl.store(zf_ptr + n * D + rd, z, mask=dmask)
+    tl.store(o_ptr + base + rt.to(tl.int64)[:, None] * H * D + rd[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=(rt < T)[:, None] & dmask[None, :])
+
+
+def _block_d(D):
+    if D > 128:
+        raise ValueError(f"the Triton linear attention holds a D×D state per program: D <= 128, got {D}")
+    return max(16, triton.next_power_of_2(D))
+
+
+def _chunk_len(T):
+    return min(64, max(16, triton.next_power_of_2(T)))
+
+
+def _prec(x):
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+_CONST_CACHE: dict = {}
+
+
+def _const(values, device):
+    """A cached fp32 device tensor of python floats (omegas, unit decays): no copy per call."""
+    key = (tuple(values), str(device))
+    t = _CONST_CACHE.get(key)
+    if t is None:
+        t = _CONST_CACHE[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return t
+
+
+def _states(k, v, om, g, S0, z0, store_final):
+    """Chunk-start states ([B, Lv, H, NC, D, D], [.., D]) and, if asked, the final (S, z)."""
+    B, T, H, D = k.shape
+    Lv = om.numel()
+    BT, BD = _chunk_len(T), _block_d(D)
+    NC = triton.cdiv(T, BT)
+    dev = k.device
+    hs = _backend.empty(B, Lv, H, NC, D, D, dtype=torch.float32, device=dev)
+    zs = _backend.empty(B, Lv, H, NC, D, dtype=torch.float32, device=dev)
+    sf = _backend.empty(B, Lv, H, D, D, dtype=torch.float32, device=dev) if store_final else hs
+    zf = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=dev) if store_final else zs
+    _la_states_kernel[(B * Lv * H,)](
+        k, v, om, g, S0 if S0 is not None else hs,
+        z0 if z0 is not None else zs, hs, zs, sf, zf, T, H, D, NC, LV=Lv,
+        HAS_INIT=S0 is not None, STORE_FINAL=store_final, PREC=_prec(v), BT=BT, BD=BD)
+    return hs, zs, sf, zf
+
+
+class _TritonLinearAttention(torch.autograd.Function):
+    """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay g [H], eps)
+    -> (o [B, T, H, D], S [B, Lv, H, D, D], z [B, Lv, H, D])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, S0, z0, om, g, eps):
+        B, T, H, D = q.shape
+        Lv = om.numel()
+        need = any(ctx.needs_input_grad[:6])
+        hs, zs, sf, zf = _states(k, v, om, g, S0, z0, True)
+        BT, BD = _chunk_len(T), _block_d(D)
+        NC = triton.cdiv(T, BT)
+        o = _backend.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+        y = _backend.empty(Lv, B, T, H, D, dtype=torch.float32, device=q.device) if need else o
+        den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need else hs
+        _la_out_kernel[(NC, B * H)](
+            q, k, v, w, om, g, hs, zs, o, y, den, B, T, H, D, NC, eps,
+            LV=Lv, STORE_Y=need, PREC=_prec(v), BT=BT, BD=BD)
+        if need:
+            ctx.save_for_backward(q, k, v, w, S0, z0, om, g, y, den)
+            ctx.eps = eps
+        ctx.set_materialize_grads(False)
+        return o, sf, zf
+
+    @staticmethod
+    def backward(ctx, do, dsf, dzf):
+        q, k, v, w, S0, z0, om, g, y, den = ctx.saved_tensors
+        eps = ctx.eps
+        B, T, H, D = q.shape
+        Lv = om.numel()
+        BT, BD = _chunk_len(T), _block_d(D)
+        NC = triton.cdiv(T, BT)
+        dev = q.device
+        do = torch.zeros_like(q) if do is None else do.contiguous()
+        has_df = dsf is not None or dzf is not None
+        if has_df:
+            dsf = torch.zeros(B, Lv, H, D, D, device=dev) if dsf is None else dsf.float().contiguous()
+            dzf = torch.zeros(B, Lv, H, D, device=dev) if dzf is None else dzf.float().contiguous()
+        hs, zs, _, _ = _states(k, v, om, g, S0, z0, False)
+        dhs = _backend.empty(B, Lv, H, NC, D, D, dtype=torch.float32, device=dev)
+        dzs = _backend.empty(B, Lv, H, NC, D, dtype=torch.float32, device=dev)
+        dinit = S0 is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
+        ds0 = _backend.empty(B, Lv, H, D, D, dtype=torch.float32, device=dev) if dinit else dhs
+        dz0 = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=dev) if dinit else dzs
+        _la_bwd_states_kernel[(B * Lv * H,)](
+            q, do, y, den, w, om, g, dsf if has_df else dhs, dzf if has_df else dzs, dhs, dzs,
+            ds0, dz0, B, T, H, D, NC, eps, LV=Lv, HAS_DFINAL=has_df,
+            STORE_DINIT=dinit, PREC=_prec(q), BT=BT, BD=BD)
+        dq = _backend.empty(B, T, H, D, dtype=q.dtype, device=dev)
+        dk = _backend.empty(B, T, H, D, dtype=k.dtype, device=dev)
+        dv = _backend.empty(B, T, H, D, dtype=v.dtype, device=dev)
+        dwp = _backend.empty(B * H, NC, Lv, dtype=torch.float32, device=dev)
+        _la_bwd_grads_kernel[(NC, B * H)](
+            q, k, v, do, y, den, w, om, g, hs, zs, dhs, dzs, dq, dk, dv, dwp, B, T, H, D, NC, eps,
+            LV=Lv, PREC=_prec(v), BT=BT, BD=BD)
+        dw = dwp.sum((0, 1)).to(w.dtype)
+        if not dinit:
+            ds0 = dz0 = None
+        return dq, dk, dv, dw, ds0, dz0, None, None, None
+
+
+def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps):
+    """Triton path: the decode kernel for T ≤ 16 without autograd, else the chunked Function."""
+    B, T, H, D = q.shape
+    Lv = len(omegas)
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"the Triton linear attention takes fp32/fp16/bf16 inputs, got {q.dtype}")
+    q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
+    w = level_weights.contiguous()
+    om = _const(omegas, q.device)
+    g = _const([1.0] * H, q.device) if decay is None else decay.detach().float().contiguous()
+    S0 = z0 = None
+    if state is not None:
+        S0, z0 = state[0].float().contiguous(), state[1].float().contiguous()
+    grads = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, w, S0, z0))
+    if T <= _DECODE_MAX_T and not grads:
+        BD = _block_d(D)
+        o = _backend.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+        sf = _backend.empty(B, Lv, H, D, D, dtype=torch.float32, device=q.device)
+        zf = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=q.device)
+        _la_decode_kernel[(B * H,)](
+            q, k, v, w, om, g, S0 if S0 is not None else sf,
+            z0 if z0 is not None else zf, o, sf, zf, T, H, D, eps, LV=Lv,
+            HAS_INIT=S0 is not None, TB=triton.next_power_of_2(T), BD=BD, num_warps=4)
+        return o, (sf, zf)
+    o, sf, zf = _TritonLinearAttention.apply(q, k, v, w, S0, z0, om, g, float(eps))
+    return o, (sf, zf)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------
+
+def linear_attention(q, k, v, level_weights, omegas, decay=None, state=None, eps=1e-6,
+                     backend="auto"):
+    """Multi-level causal linear attention (see the module docstring).
+
+    q, k, v [B, T, H, D]; level_weights [Lv]; omegas Lv floats; decay None or [H];
+    state None or (S [B, Lv, H, D, D], z [B, Lv, H, D]). Returns (o [B, T, H, D] in q's dtype,
+    (S, z) fp32 after the last position); differentiable in q, k, v, level_weights and state.
+    """
+    path = _backend.pick(backend, q)
+    if path == "reference":
+        return linear_attention_reference(q, k, v, level_weights, omegas, decay, state, eps)
+    _check(q, k, v, level_weights, omegas, decay, state)
+    omegas = [float(om) for om in omegas]
+    if path == "triton":
+        return _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps)
+    return _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps)
