@@ -1,0 +1,256 @@
+"""Sparse MoE benchmark: the sorted PyTorch path and the Triton kernels vs naive formulations.
+
+CPU (palier2 dims: d=512, E=16, F=512, r=64, K=2, 8,192 tokens): the sorted path vs the
+per-token weight-gather formulation (each token's expert weights index-selected, then einsum),
+forward+backward. GPU (1b dims: d=1280, E=128, F=2048, r=64, K=2, 16k and 64k tokens, bf16):
+Triton vs the sorted PyTorch path vs a per-expert Python loop.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fractus.bench import common
+from fractus.kernels.moe import moe, moe_reference
+
+PALIER2 = dict(d=512, E=16, F=512, r=64, K=2)
+ONE_B = dict(d=1280, E=128, F=2048, r=64, K=2)
+TINY = dict(d=48, E=7, F=80, r=16, K=2)
+GATHER_CHUNK = 1024  # tokens per forward+backward of the gather baseline (its memory is ∝ tokens)
+
+
+def make_case(N, d, E, F, r, K, lowrank=True, dtype=torch.float32, device="cpu", seed=0):
+    """Random experts (leaf tensors requiring grad), x [N, d], idx [N, K] distinct per token, w [N, K]."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype).requires_grad_()
+
+    if lowrank:
+        ex = dict(V1=rnd(E, d, r, scale=d ** -0.5), U1=rnd(E, F, r, scale=r ** -0.5), b1=rnd(E, F, scale=0.1),
+                  s1=rnd(E, scale=0.1), V2=rnd(E, F, r, scale=F ** -0.5), U2=rnd(E, d, r, scale=r ** -0.5),
+                  b2=rnd(E, d, scale=0.1), s2=rnd(E, scale=0.1))
+        with torch.no_grad():
+            ex["s1"] += 1.0
+            ex["s2"] += 1.0
+    else:
+        ex = dict(W1=rnd(E, d, F, scale=d ** -0.5), b1=rnd(E, F, scale=0.1),
+                  W2=rnd(E, F, d, scale=F ** -0.5), b2=rnd(E, d, scale=0.1))
+    x = rnd(N, d)
+    idx = torch.rand(N, E, generator=gen).topk(K, dim=1).indices.to(device)
+    w = torch.softmax(torch.randn(N, K, generator=gen), -1).to(device=device, dtype=dtype).requires_grad_()
+    return x, idx, w, ex
+
+
+def moe_gather(x, idx, w, ex):
+    """Per-token weight-gather formulation: index_select every token's expert weights, einsum."""
+    V1, U1, V2, U2 = (ex[k][idx] for k in ("V1", "U1", "V2", "U2"))  # [N, K, ., r]
+    a1 = torch.einsum("nd,nkdr->nkr", x, V1)
+    h = F.gelu(ex["s1"][idx].unsqueeze(-1) * torch.einsum("nkr,nkfr->nkf", a1, U1) + ex["b1"][idx])
+    f = ex["s2"][idx].unsqueeze(-1) * torch.einsum("nkr,nkdr->nkd", torch.einsum("nkf,nkfr->nkr", h, V2), U2)
+    return (w.unsqueeze(-1) * (f + ex["b2"][idx])).sum(1)
+
+
+def moe_expert_loop(x, idx, w, ex):
+    """Per-expert Python loop: for every expert, find its (token, slot) pairs, run it, index_add."""
+    y = torch.zeros_like(x)
+    for e in range(ex["b1"].shape[0]):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            m = x[tok]
+            h = F.gelu(ex["s1"][e] * ((m @ ex["V1"][e]) @ ex["U1"][e].t()) + ex["b1"][e])
+            f = ex["s2"][e] * ((h @ ex["V2"][e]) @ ex["U2"][e].t()) + ex["b2"][e]
+            y = y.index_add(0, tok, w[tok, slot].unsqueeze(1) * f)
+    return y
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value), as in tests/util.py."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _params(x, w, ex):
+    return [x, w, *ex.values()]
+
+
+def _fwd_bwd(fn, x, idx, w, ex, chunk=None):
+    """Forward+backward of fn (in token chunks when chunk is set); gradients accumulate into .grad."""
+    n = x.shape[0]
+    step = chunk or n
+    for p in _params(x, w, ex):
+        p.grad = None
+    for i in range(0, n, step):
+        y = fn(x[i:i + step], idx[i:i + step], w[i:i + step], ex)
+        y.backward(torch.ones_like(y))
+
+
+def _impl(name):
+    if name == "gather":
+        return moe_gather
+    if name == "loop":
+        return moe_expert_loop
+    return lambda x, idx, w, ex: moe(x, idx, w, ex, backend=name)
+
+
+def peak_case(impl, N, chunk=None, **dims):
+    """For cpu_peak_bytes: builds a case and returns a forward+backward thunk."""
+    x, idx, w, ex = make_case(N, **dims)
+    return lambda: _fwd_bwd(_impl(impl), x, idx, w, ex, chunk)
+
+
+def _flops(N, d, E, F, r, K, lowrank=True):
+    """Model FLOPs of the forward (backward counted as 2× forward)."""
+    per_row = 4 * r * (d + F) if lowrank else 4 * d * F
+    return per_row * N * K
+
+
+def _min_bytes(N, d, E, F, r, K, elt, lowrank=True, backward=False):
+    """Compulsory traffic: x gathered per slot, y per slot, expert weights once (×3 with backward)."""
+    wts = E * ((2 * d * r + 2 * F * r + F + d) if lowrank else (2 * d * F + F + d))
+    act = 2 * N * K * d
+    return elt * (3 * (act + wts) if backward else act + wts)
+
+
+# ----------------------------------------------------------------------------- CPU
+def cpu_rows(smoke: bool = False) -> list[dict]:
+    """Sorted path vs per-token weight gather, low-rank, fp32, forward+backward (+ peak RSS).
+
+    The two are timed in alternating rounds (the CPU is shared, its load changes by the
+    minute); time_s is the best round, time_median_s the median.
+    """
+    dims = TINY if smoke else PALIER2
+    N = 64 if smoke else 8192
+    chunk = 16 if smoke else GATHER_CHUNK
+    rounds = 2 if smoke else 5
+    impls = (("torch", None), ("gather", chunk))
+    # Peaks first: a spawned child starts with the parent's RSS as its high-water mark.
+    peaks = [common.cpu_peak_bytes("fractus.bench.moe:peak_case", impl=impl, N=N, chunk=ch, **dims)
+             for impl, ch in impls]
+    x, idx, w, ex = make_case(N, **dims)
+    times = {impl: [] for impl, _ in impls}
+    for r_ in range(rounds):
+        for impl, ch in impls:
+            times[impl].append(common.median_time(lambda: _fwd_bwd(_impl(impl), x, idx, w, ex, ch),
+                                                  warmup=int(r_ == 0), reps=1))
+    best = {impl: min(ts) for impl, ts in times.items()}
+    rows = []
+    for (impl, ch), peak in zip(impls, peaks):
+        t = best[impl]
+        rows.append(dict(bench="moe", impl="sorted" if impl == "torch" else "per_token_gather",
+                         mode="fwd+bwd", dtype="fp32", tokens=N, chunk_tokens=ch or N, **dims,
+                         time_s=t, time_median_s=sorted(times[impl])[rounds // 2], rounds=rounds,
+                         gflops=3 * _flops(N, **dims) / t / 1e9, peak_rss_bytes=peak,
+                         speedup_vs_gather=best["gather"] / t, target=">=10x vs per_token_gather",
+                         target_met=best["torch"] * 10 <= best["gather"]))
+    return rows
+
+
+# ----------------------------------------------------------------------------- GPU
+def gpu_rows(smoke: bool = False) -> list[dict]:
+    """1b dims in bf16: Triton vs the sorted PyTorch path vs a per-expert loop; time, GB/s, TFLOP/s.
+
+    smoke=True runs tiny sizes in fp32 through the Triton interpreter on CPU.
+    """
+    if smoke:
+        device, dtype, dims, tokens = "cpu", torch.float32, TINY, (37,)
+    else:
+        device, dtype, dims, tokens = "cuda", torch.bfloat16, ONE_B, (16384, 65536)
+    elt = torch.finfo(dtype).bits // 8
+    rows = []
+    cases = [(N, True) for N in tokens] + [(tokens[0], False)]
+    for N, lowrank in cases:
+        x, idx, w, ex = make_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device)
+        impls = ("triton", "torch", "loop") if lowrank else ("triton", "torch")
+        case_rows = []
+        for impl in impls:
+            fn = _impl(impl)
+            for mode in ("fwd", "fwd+bwd"):
+                if mode == "fwd":
+                    def thunk():
+                        with torch.no_grad():
+                            fn(x, idx, w, ex)
+                else:
+                    def thunk():
+                        _fwd_bwd(fn, x, idx, w, ex)
+                t = common.median_time(thunk, warmup=1, reps=2, device=device) if smoke else \
+                    common.median_time(thunk, device=device)
+                mult = 3 if mode == "fwd+bwd" else 1
+                row = dict(bench="moe", kind="lowrank" if lowrank else "dense", impl=impl, mode=mode,
+                           dtype=str(dtype).replace("torch.", ""), tokens=N, **dims, time_s=t,
+                           tflops=mult * _flops(N, **dims, lowrank=lowrank) / t / 1e12,
+                           gbps=_min_bytes(N, **dims, elt=elt, lowrank=lowrank,
+                                           backward=mode == "fwd+bwd") / t / 1e9)
+                if device == "cuda":
+                    row["peak_bytes"] = common.cuda_peak_bytes(thunk)
+                case_rows.append(row)
+        for row in case_rows:
+            same = {r_["impl"]: r_["time_s"] for r_ in case_rows if r_["mode"] == row["mode"]}
+            row["speedup_vs_torch"] = same["torch"] / row["time_s"]
+            if "loop" in same:
+                row["speedup_vs_loop"] = same["loop"] / row["time_s"]
+                if row["impl"] == "triton":
+                    row["target"] = ">=5x vs per-expert loop"
+                    row["target_met"] = row["speedup_vs_loop"] >= 5
+        rows += case_rows
+        del x, idx, w, ex
+    return rows
+
+
+def correctness_rows(device, smoke: bool = False) -> list[dict]:
+    """Triton vs the fp32 per-token reference: output and every gradient, low-rank and dense.
+
+    fp32: rel_err < tol. Low precision (bf16 on CUDA; fp16 on CPU, whose interpreter has no
+    correct bf16): rel_err vs the fp32 truth ≤ that of the same-dtype PyTorch path + tol.
+    Failures (including exceptions) are recorded, never raised.
+    """
+    device = torch.device(device)
+    lowp = torch.bfloat16 if device.type == "cuda" else torch.float16
+    dims = TINY if smoke else dict(d=320, E=16, F=400, r=64, K=2)
+    N = 13 if smoke else 257
+    rows = []
+    for lowrank in (True, False):
+        kernel = "moe_lowrank" if lowrank else "moe_dense"
+        for dtype in (torch.float32, lowp):
+            dname = str(dtype).replace("torch.", "")
+            try:
+                x, idx, w, ex = make_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device)
+                dy = torch.randn(N, dims["d"], generator=torch.Generator().manual_seed(1)).to(device, dtype)
+                names = ["y", "dx", "dw", *ex]
+
+                def run(fn, x, w, ex, dy):
+                    y = fn(x, idx, w, ex)
+                    return (y, *torch.autograd.grad(y, _params(x, w, ex), dy))
+
+                got = run(_impl("triton"), x, w, ex, dy)
+                up = {k: v.detach().float().requires_grad_() for k, v in ex.items()}
+                x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+                truth = run(moe_reference, x32, w32, up, dy.float())
+                same = run(_impl("torch"), x, w, ex, dy) if dtype != torch.float32 else None
+                for i, name in enumerate(names):
+                    e = rel_err(got[i], truth[i])
+                    if same is None:
+                        tol, check = 1e-4, f"{name} vs fp32 reference"
+                    else:
+                        tol = rel_err(same[i], truth[i]) + (5e-3 if dtype == torch.bfloat16 else 2e-3)
+                        check = f"{name} vs fp32 truth (<= same-dtype torch err + margin)"
+                    rows.append(dict(kernel=kernel, dtype=dname, check=check, rel_err=e, tol=tol,
+                                     passed=e <= tol))
+            except Exception as exc:  # recorded, not raised
+                rows.append(dict(kernel=kernel, dtype=dname, check=f"error: {type(exc).__name__}: {exc}",
+                                 rel_err=float("nan"), tol=float("nan"), passed=False))
+    return rows
+
+
+def main() -> None:
+    rows = cpu_rows(smoke=common.SMOKE)
+    path = common.write_csv("results/moe_cpu.csv", rows, "cpu")
+    for r_ in rows:
+        print({k: r_[k] for k in ("impl", "tokens", "time_s", "speedup_vs_gather", "peak_rss_bytes")})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

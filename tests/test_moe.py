@@ -1,0 +1,137 @@
+"""Sparse low-rank / dense MoE: every path vs the fp32 per-token reference, output and every gradient."""
+import pytest
+import torch
+
+from fractus.kernels.moe import _Route, moe, moe_reference
+from tests.util import assert_lowp, assert_rel
+
+D, FF = 48, 80  # not multiples of the blocks
+
+
+def make_experts(E, d=D, F=FF, r=16, lowrank=True, dtype=torch.float32):
+    """Random experts of either kind, as leaf tensors that require grad."""
+    if lowrank:
+        ex = dict(V1=torch.randn(E, d, r) / d ** 0.5, U1=torch.randn(E, F, r) / r ** 0.5,
+                  b1=0.1 * torch.randn(E, F), s1=0.5 + torch.rand(E),
+                  V2=torch.randn(E, F, r) / F ** 0.5, U2=torch.randn(E, d, r) / r ** 0.5,
+                  b2=0.1 * torch.randn(E, d), s2=0.5 + torch.rand(E))
+    else:
+        ex = dict(W1=torch.randn(E, d, F) / d ** 0.5, b1=0.1 * torch.randn(E, F),
+                  W2=torch.randn(E, F, d) / F ** 0.5, b2=0.1 * torch.randn(E, d))
+    return {k: v.to(dtype).requires_grad_() for k, v in ex.items()}
+
+
+def make_inputs(N, E, K, d=D, route="random", dtype=torch.float32):
+    """x [N, d], idx [N, K] (distinct experts per token unless K > E), w [N, K] > 0."""
+    x = torch.randn(N, d).to(dtype).requires_grad_()
+    if route == "one":
+        idx = torch.full((N, K), E - 1, dtype=torch.int64)
+    else:
+        idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+    w = torch.softmax(torch.randn(N, K), -1).to(dtype).requires_grad_()
+    return x, idx, w
+
+
+def run(backend, x, idx, w, ex, dy):
+    """Output and gradients for x, w and every expert tensor (in the dict's order)."""
+    y = moe(x, idx, w, ex, backend=backend)
+    return (y, *torch.autograd.grad(y, [x, w, *ex.values()], dy))
+
+
+def check(backend, N, E, K, lowrank=True, r=16, route="random", tol=1e-4):
+    ex = make_experts(E, r=r, lowrank=lowrank)
+    x, idx, w = make_inputs(N, E, K, route=route)
+    dy = torch.randn(N, D)
+    got = run(backend, x, idx, w, ex, dy)
+    ref = run("reference", x, idx, w, ex, dy)
+    for name, a, b in zip(["y", "dx", "dw", *ex], got, ref):
+        assert_rel(a, b, tol, f"{backend} {name}")
+
+
+# ----------------------------------------------------------------------------- fast PyTorch path
+@pytest.mark.parametrize("E,K", [(4, 1), (7, 2), (16, 2), (4, 4), (7, 7)])
+@pytest.mark.parametrize("lowrank", [True, False])
+def test_torch_matches_reference(E, K, lowrank):
+    check("torch", 13, E, K, lowrank=lowrank, r=16 if E != 7 else 32)
+
+
+@pytest.mark.parametrize("N,E,K,route", [(1, 16, 2, "random"), (3, 16, 1, "random"),
+                                         (29, 4, 1, "one"), (9, 16, 16, "random")])
+def test_torch_routing_edge_cases(N, E, K, route):
+    """A single token, experts with no tokens, every token on one expert, K = E."""
+    check("torch", N, E, K, route=route)
+
+
+def test_torch_fp16_close_to_truth():
+    ex = make_experts(4, dtype=torch.float16)
+    x, idx, w = make_inputs(11, 4, 2, dtype=torch.float16)
+    dy = torch.randn(11, D, dtype=torch.float16)
+    got = run("torch", x, idx, w, ex, dy)
+    ref = run("reference", x, idx, w, ex, dy)
+    assert got[0].dtype == torch.float16
+    for name, a, b in zip(["y", "dx", "dw", *ex], got, ref):
+        assert_rel(a, b, 1e-2, f"torch fp16 {name}")
+
+
+def test_auto_on_cpu_and_bad_keys():
+    ex = make_experts(4)
+    x, idx, w = make_inputs(5, 4, 2)
+    assert torch.equal(moe(x, idx, w, ex), moe(x, idx, w, ex, backend="torch"))
+    with pytest.raises(KeyError):
+        moe(x, idx, w, {"V1": ex["V1"]})
+
+
+# ----------------------------------------------------------------------------- Triton (interpreter)
+@pytest.mark.parametrize("N,E,K", [(37, 16, 2), (40, 4, 1), (1, 7, 7)])
+def test_route_tiles_cover_each_row_once(N, E, K):
+    """Device-side bookkeeping: sorted pairs, per-expert offsets, ≤ ceil(NK/BM) + E one-expert tiles."""
+    BM = 16
+    idx = torch.randint(0, E, (N, K))
+    rt = _Route(idx, E, BM)
+    flat = idx.reshape(-1)
+    assert torch.equal(flat[rt.order], rt.sexp) and torch.equal(rt.stok, rt.order // K)
+    assert rt.T == -(-N * K // BM) + E and rt.offs[-1] == N * K
+    assert torch.equal(rt.offs[1:] - rt.offs[:-1], torch.bincount(flat, minlength=E).int())
+    seen = torch.zeros(N * K, dtype=torch.int64)
+    for e, lo, hi in zip(rt.tile_e.tolist(), rt.tile_lo.tolist(), rt.tile_hi.tolist()):
+        assert 0 <= hi - lo <= BM
+        seen[lo:hi] += 1
+        assert (rt.sexp[lo:hi] == e).all()
+    assert (seen == 1).all()
+
+
+@pytest.mark.parametrize("N,E,K,r,route", [(13, 7, 2, 16, "random"), (5, 4, 4, 32, "random"),
+                                           (37, 4, 1, 24, "one"), (1, 16, 2, 16, "random")])
+def test_triton_lowrank_matches_reference(N, E, K, r, route):
+    """Odd token counts, several tiles per expert, K = E, r not a power of two, empty
+    experts, a single token."""
+    check("triton", N, E, K, r=r, route=route)
+
+
+@pytest.mark.parametrize("N,E,K,route", [(13, 7, 2, "random"), (19, 4, 1, "one")])
+def test_triton_dense_matches_reference(N, E, K, route):
+    check("triton", N, E, K, lowrank=False, route=route)
+
+
+def test_triton_forward_without_grad():
+    ex = make_experts(7)
+    x, idx, w = make_inputs(13, 7, 2)
+    with torch.no_grad():
+        assert_rel(moe(x, idx, w, ex, backend="triton"), moe_reference(x, idx, w, ex), 1e-5, "no-grad y")
+
+
+@pytest.mark.parametrize("lowrank", [True, False])
+def test_triton_fp16_lowp(lowrank):
+    """fp16: error vs the fp32 truth within that of the fp16 PyTorch path (+ tol)."""
+    E, K, N = 7, 2, 13
+    ex16 = make_experts(E, lowrank=lowrank, dtype=torch.float16)
+    x16, idx, w16 = make_inputs(N, E, K, dtype=torch.float16)
+    dy16 = torch.randn(N, D, dtype=torch.float16)
+    ex32 = {k: v.detach().float().requires_grad_() for k, v in ex16.items()}
+    x32, w32 = x16.detach().float().requires_grad_(), w16.detach().float().requires_grad_()
+    truth = run("reference", x32, idx, w32, ex32, dy16.float())
+    same = run("torch", x16, idx, w16, ex16, dy16)
+    got = run("triton", x16, idx, w16, ex16, dy16)
+    assert got[0].dtype == torch.float16
+    for name, a, b, t in zip(["y", "dx", "dw", *ex16], got, same, truth):
+        assert_lowp(a, b, t, 2e-3, f"triton fp16 {name}")
