@@ -193,11 +193,10 @@ class KuramotoClock(nn.Module):
         return torch.atan2(theta.sin().sum(-1), theta.cos().sum(-1))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        u = self.ln(h)
-        if self.cfg.detach_kuramoto:
-            with torch.no_grad():
-                return self.integrate(u)
-        return self.integrate(u)
+        """h [B, T, d] → ψ [B, T], always in fp32 (phases are too fine for bf16)."""
+        with torch.autocast(h.device.type, enabled=False), torch.set_grad_enabled(
+                torch.is_grad_enabled() and not self.cfg.detach_kuramoto):
+            return self.integrate(self.ln(h.float()))
 
 
 class PhaseRoutedMoE(nn.Module):
@@ -247,9 +246,19 @@ class PhaseRoutedMoE(nn.Module):
         p = self.gate_logits(m, psi).float().softmax(-1)
         top_p, idx = p.topk(self.cfg.top_k, dim=-1)
         w = top_p / top_p.sum(-1, keepdim=True)
+        m = autocast_input(m)
+        experts = {k: autocast_input(v) for k, v in self.experts().items()}
         out = moe(m.reshape(B * T, d), idx.reshape(B * T, -1), w.reshape(B * T, -1).to(m.dtype),
-                  self.experts(), backend=self.cfg.backend)
+                  experts, backend=self.cfg.backend)
         return out.view(B, T, d), p, idx
+
+
+def autocast_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the autocast dtype when autocast is on for its device (custom kernels are not
+    autocast-aware; LayerNorm outputs stay fp32 under autocast), else ``t`` unchanged."""
+    if torch.is_autocast_enabled(t.device.type):
+        return t.to(torch.get_autocast_dtype(t.device.type))
+    return t
 
 
 def load_balance(p: torch.Tensor) -> torch.Tensor:
@@ -369,7 +378,7 @@ class FractusCTE(nn.Module):
             raise ValueError(f"head_positions must be 'all' or 'last', got {head_positions!r}")
         h, targets = h.reshape(B * T, d), targets.reshape(-1)
         if self.cfg.fused_ce:
-            ce = linear_cross_entropy(h, self.head_weight(), targets, positions=positions,
+            ce = linear_cross_entropy(autocast_input(h), self.head_weight(), targets, positions=positions,
                                       backend=self.cfg.backend)
         else:
             if positions is not None:
