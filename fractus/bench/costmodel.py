@@ -1,0 +1,230 @@
+"""Analytic cost model of a Fractus CTE training step: FLOPs and bytes per token per component,
+a roofline time per component, and time-to-train.
+
+Counting rules (per token, forward; a multiply-add is 2 FLOPs):
+
+- attention: q/k/v and output projections (8·d²), the feature maps, and the chunked algorithm the
+  kernels run: per level, an intra-chunk part over ``attn_chunk`` positions (4·d·c) and the
+  D×D state read and update (4·d·D); ``attn_chunk=1`` is the plain recurrence.
+- kuramoto: the encoder (2·d·N) and ``kuramoto_steps`` RK4 steps of 4 rate evaluations
+  (low-rank coupling 8·N·r, sin/cos counted as ``TRANSCENDENTAL`` FLOPs each).
+- moe: the gate, then ``top_k`` experts (low-rank: 4·d·r + 4·F·r, dense: 4·d·F) plus gelu.
+- head: the tied (or separate) head and its cross-entropy, 2·d·V + 5·V, on the supervised
+  positions only (``head_positions="last"`` divides it by the chunk length).
+- norms: every LayerNorm (3 per block + the final one), ``NORM_FLOPS`` per element.
+- embedding: a row gather (0 FLOPs; its backward is a d-wide scatter-add).
+
+Training multiplies matmul FLOPs by 3 (forward, input gradient, weight gradient) and elementwise
+FLOPs by 3 as well (a rough rule); a detached Kuramoto clock has no backward. The optimizer is
+counted per step (:func:`optimizer_cost`), not per token, because it depends on the batch.
+
+Bytes: activations are read and written once per op in the forward (``dtype_bytes`` each, states
+fp32) and twice more in the backward; weights are read once in the forward and read + gradient
+written + accumulated in the backward, shared by the ``batch_tokens`` tokens of a micro-step.
+The roofline time of a component is max(FLOPs / peak FLOP/s, bytes / peak B/s); a step adds the
+optimizer's memory traffic and a per-op dispatch cost (``n_ops`` × ``op_overhead_s``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fractus.model import FractusConfig
+
+COMPONENTS = ("embedding", "attention", "kuramoto", "moe", "head", "norms")
+TRANSCENDENTAL = 8.0  # FLOPs charged per sin/cos/exp/erf (a polynomial evaluation)
+NORM_FLOPS = 8.0  # FLOPs per element of a LayerNorm (mean, variance, normalise, scale, shift)
+GELU_FLOPS = 2.0 + TRANSCENDENTAL
+# Optimizer memory traffic per parameter per step, in stored values: AdamW reads p, g, m, v
+# and writes p, m, v; SGD with momentum reads p, g, buf and writes p, buf; RMSprop as SGD.
+OPT_VALUES = {"adamw": 7, "sgd": 5, "rmsprop": 5}
+OPT_FLOPS = {"adamw": 12, "sgd": 4, "rmsprop": 6}
+
+# NVIDIA H200 SXM datasheet peaks (dense): plotted as labelled "datasheet" lines only.
+H200_DATASHEET = {"hbm_gbs": 4800.0, "bf16_tflops": 989.0, "tf32_tflops": 494.0, "fp32_tflops": 67.0}
+
+
+def _attn_chunk(cfg: FractusConfig, attn_chunk: int | None) -> int:
+    return attn_chunk if attn_chunk is not None else min(64, cfg.chunk_len)
+
+
+def _head_share(cfg: FractusConfig, head_positions: str) -> float:
+    if head_positions not in ("all", "last"):
+        raise ValueError(f"head_positions must be 'all' or 'last', got {head_positions!r}")
+    return 1.0 if head_positions == "all" else 1.0 / cfg.chunk_len
+
+
+def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | None) -> dict:
+    """{component: (matmul FLOPs, elementwise FLOPs)} of one token's forward."""
+    d, D, Lv, L = cfg.d_model, cfg.d_head, cfg.n_levels, cfg.n_layers
+    N, r_c, E, K, Fd, r = (cfg.n_oscillators, cfg.coupling_rank, cfg.n_experts, cfg.top_k,
+                           cfg.expert_d_ff, cfg.expert_rank)
+    c = _attn_chunk(cfg, attn_chunk)
+    attn_mm = 8 * d * d + Lv * (4 * d * c + 4 * d * D)
+    attn_ew = Lv * 2 * d * (TRANSCENDENTAL + 2) + Lv * 3 * d + 2 * d  # features, divide, mix, residual
+    rate_mm = 8 * N * r_c
+    rate_ew = 2 * N * TRANSCENDENTAL + 8 * N
+    kur_mm = 2 * d * N + cfg.kuramoto_steps * 4 * rate_mm
+    kur_ew = cfg.kuramoto_steps * (4 * rate_ew + 12 * N) + 2 * N * TRANSCENDENTAL + TRANSCENDENTAL
+    expert_mm = 4 * d * r + 4 * Fd * r if r > 0 else 4 * d * Fd
+    gate_mm = 2 * d * E if cfg.router == "linear" else 0
+    moe_mm = gate_mm + K * expert_mm
+    moe_ew = E * (TRANSCENDENTAL + 3) + K * (Fd * GELU_FLOPS + 2 * Fd + 3 * d) + d
+    share = _head_share(cfg, head_positions)
+    head_mm = share * 2 * d * cfg.vocab_size
+    head_ew = share * cfg.vocab_size * (3 + TRANSCENDENTAL)
+    norms_ew = (3 * L + 1) * d * NORM_FLOPS
+    return {"embedding": (0.0, 0.0), "attention": (L * attn_mm, L * attn_ew),
+            "kuramoto": (L * kur_mm, L * kur_ew), "moe": (L * moe_mm, L * moe_ew),
+            "head": (head_mm, head_ew), "norms": (0.0, norms_ew)}
+
+
+def flops_per_token(cfg: FractusConfig, training: bool = True, *, head_positions: str = "all",
+                    attn_chunk: int | None = None) -> dict[str, float]:
+    """FLOPs per token of each component (:data:`COMPONENTS`); training = forward + backward.
+
+    Sum the values for the model FLOPs of a token (e.g. for MFU = Σ · tok/s / peak).
+    """
+    out = {}
+    for comp, (mm, ew) in _forward_flops(cfg, head_positions, attn_chunk).items():
+        total = mm + ew
+        if training and not (comp == "kuramoto" and cfg.detach_kuramoto):
+            total *= 3
+        out[comp] = float(total)
+    if training:
+        out["embedding"] = float(cfg.d_model)  # scatter-add of the embedding gradient
+    return out
+
+
+def weight_counts(cfg: FractusConfig) -> dict[str, int]:
+    """Parameters of each component (all experts; the tied embedding counts as 'embedding')."""
+    d, L, E, Fd, r = cfg.d_model, cfg.n_layers, cfg.n_experts, cfg.expert_d_ff, cfg.expert_rank
+    N = cfg.n_oscillators
+    expert = (2 * d * r + 2 * Fd * r + 2) if r > 0 else 2 * d * Fd
+    expert += Fd + d
+    return {"embedding": cfg.vocab_size * d,
+            "attention": L * (4 * d * d + 4 * d + cfg.n_levels),
+            "kuramoto": L * (d * N + N + N + N * cfg.coupling_rank + cfg.coupling_rank),
+            "moe": L * (E * expert + E + (d * E if cfg.router == "linear" else 1)),  # + gate bias
+            "head": 0 if cfg.tie_head else cfg.vocab_size * d,
+            "norms": (3 * L + 1) * 2 * d}
+
+
+def num_params(cfg: FractusConfig) -> int:
+    return sum(weight_counts(cfg).values())
+
+
+def _activation_elems(cfg: FractusConfig, head_positions: str, attn_chunk: int | None,
+                      fused_ce: bool) -> dict:
+    """{component: (elements moved per token in the forward, of which fp32 state elements)}."""
+    d, D, Lv, L, H = cfg.d_model, cfg.d_head, cfg.n_levels, cfg.n_layers, cfg.n_heads
+    N, K, Fd, r = cfg.n_oscillators, cfg.top_k, cfg.expert_d_ff, cfg.expert_rank
+    c = _attn_chunk(cfg, attn_chunk)
+    attn = 4 * d + 4 * d + Lv * 4 * d + Lv * 4 * d + 2 * d + 3 * d  # qkv, features, chunks, out, residual
+    state = Lv * H * D * (D + 1) * 2 / c  # S read + written once per chunk
+    kur = 2 * d + N + cfg.kuramoto_steps * 4 * 10 * N + 2 * N
+    inner = (r if r > 0 else 0) * 2 + Fd * 3
+    moe = cfg.n_experts * 3 + K * (2 * d + 2 * inner) + 2 * K * d + 3 * d
+    share = _head_share(cfg, head_positions)
+    head = share * (2 * d + (0 if fused_ce else 4 * cfg.vocab_size))
+    norms = (3 * L + 1) * 2 * d
+    return {"embedding": (d, 0.0), "attention": (L * attn, L * state), "kuramoto": (L * kur, 0.0),
+            "moe": (L * moe, 0.0), "head": (head, 0.0), "norms": (norms, 0.0)}
+
+
+def bytes_per_token(cfg: FractusConfig, batch_tokens: int, training: bool = True, *,
+                    dtype_bytes: int = 4, head_positions: str = "all", attn_chunk: int | None = None,
+                    fused_ce: bool | None = None) -> dict[str, float]:
+    """Memory traffic per token of each component for micro-steps of ``batch_tokens`` tokens.
+
+    Weights are fp32 master copies read once per micro-step (the head reads the whole V×d
+    matrix); the embedding gathers one row per token and, in training, writes and accumulates a
+    dense V×d gradient per micro-step.
+    """
+    fused = cfg.fused_ce if fused_ce is None else fused_ce
+    weights = weight_counts(cfg)
+    weights["head"] = cfg.vocab_size * cfg.d_model
+    out = {}
+    for comp, (elems, state) in _activation_elems(cfg, head_positions, attn_chunk, fused).items():
+        act = (elems - state) * dtype_bytes + state * 4
+        backward = training and not (comp == "kuramoto" and cfg.detach_kuramoto)
+        if comp == "embedding":
+            w = 2 * weights["embedding"] * 4 / batch_tokens if training else 0.0
+        else:
+            w = weights[comp] * 4 / batch_tokens * (4 if backward else 1)
+        out[comp] = float((3 * act if backward else act) + w)
+    return out
+
+
+def optimizer_cost(cfg: FractusConfig, optimizer: str, tokens_per_step: int) -> dict[str, float]:
+    """FLOPs and bytes per token of the optimizer update, amortised over a step's tokens."""
+    if optimizer not in OPT_VALUES:
+        raise ValueError(f"optimizer must be one of {sorted(OPT_VALUES)}, got {optimizer!r}")
+    n = num_params(cfg)
+    return {"flops": OPT_FLOPS[optimizer] * n / tokens_per_step,
+            "bytes": OPT_VALUES[optimizer] * 4 * n / tokens_per_step}
+
+
+def roofline(cfg: FractusConfig, *, peak_flops: float, peak_bw: float, batch_size: int = 8,
+             chunk_len: int | None = None, accum: int = 1, optimizer: str = "adamw",
+             dtype_bytes: int = 4, head_positions: str = "all", n_ops: float = 0.0,
+             op_overhead_s: float = 0.0, attn_chunk: int | None = None) -> dict:
+    """Predicted seconds per token of each component (roofline), the optimizer, op dispatch,
+    and the resulting tok/s. ``n_ops`` is the op count of one micro-step (forward + backward).
+
+    Returns {"components": {name: s/token}, "intensity": {name: FLOP/byte}, "bound": {name:
+    "compute"|"memory"}, "tok_s": float, "flops_per_token": float}.
+    """
+    C = chunk_len or cfg.chunk_len
+    batch_tokens = batch_size * C
+    fl = flops_per_token(cfg, True, head_positions=head_positions, attn_chunk=attn_chunk)
+    by = bytes_per_token(cfg, batch_tokens, True, dtype_bytes=dtype_bytes,
+                         head_positions=head_positions, attn_chunk=attn_chunk)
+    comps, inten, bound = {}, {}, {}
+    for k in COMPONENTS:
+        tc, tm = fl[k] / peak_flops, by[k] / peak_bw
+        comps[k] = max(tc, tm)
+        inten[k] = fl[k] / by[k] if by[k] else math.inf
+        bound[k] = "compute" if tc >= tm else "memory"
+    opt = optimizer_cost(cfg, optimizer, batch_tokens * accum)
+    comps["optimizer"] = max(opt["flops"] / peak_flops, opt["bytes"] / peak_bw)
+    bound["optimizer"] = "memory"
+    comps["dispatch"] = n_ops * op_overhead_s / batch_tokens
+    bound["dispatch"] = "latency"
+    total = sum(comps.values())
+    return {"components": comps, "intensity": inten, "bound": bound, "tok_s": 1.0 / total,
+            "flops_per_token": sum(fl.values())}
+
+
+def cpu_ceilings(n: int = 1024, copy_mib: int = 64) -> dict[str, float]:
+    """This CPU's measured ceilings with the current torch threads: fp32 matmul FLOP/s (n×n),
+    copy bandwidth (bytes read + written per second) and the wall time of one tiny op (the
+    per-op dispatch cost of eager PyTorch)."""
+    from fractus.bench.common import median_time
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t_mm = median_time(lambda: a @ b, warmup=2, reps=7)
+    src = torch.empty(copy_mib << 18)  # fp32 elements
+    dst = torch.empty_like(src)
+    t_cp = median_time(lambda: dst.copy_(src), warmup=2, reps=7)
+    x, y = torch.ones(4), torch.ones(4)
+    reps = 2000
+    t_op = median_time(lambda: [torch.add(x, y) for _ in range(reps)], warmup=1, reps=5) / reps
+    return {"matmul_flops": 2 * n ** 3 / t_mm, "copy_bytes_s": 2 * src.numel() * 4 / t_cp, "op_s": t_op}
+
+
+def time_to_train(tokens: float, tok_s: float) -> float:
+    """Seconds to train on ``tokens`` at ``tok_s``."""
+    if tok_s <= 0:
+        raise ValueError(f"tok_s must be positive, got {tok_s}")
+    return tokens / tok_s
+
+
+def chinchilla_tokens(cfg: FractusConfig, per_param: float = 20.0, active: bool = False) -> float:
+    """``per_param`` tokens per parameter (all parameters, or those one token uses)."""
+    n = num_params(cfg)
+    if active:
+        d, Fd, r = cfg.d_model, cfg.expert_d_ff, cfg.expert_rank
+        expert = ((2 * d * r + 2 * Fd * r + 2) if r > 0 else 2 * d * Fd) + Fd + d
+        n -= cfg.n_layers * (cfg.n_experts - cfg.top_k) * expert
+    return per_param * n

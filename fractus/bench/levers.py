@@ -1,0 +1,362 @@
+"""The original analysis's optimization levers, measured: speed, peak memory and learning.
+
+A :class:`Recipe` is one training configuration (model switches + trainer switches). For each
+recipe this module measures
+
+- speed: tokens/s of the trainer's own optimizer steps on random tokens
+  (:func:`fractus.bench.train.measure_training`), always as a ratio to a baseline measured in
+  the same run;
+- peak memory of a first optimizer step (activations, gradients, optimizer state) in a fresh
+  process (:func:`peak_bytes`);
+- quality: validation cross-entropy (and bits per byte, which compares across vocabularies)
+  after the same number of training tokens of the Shakespeare corpus (:func:`short_train`).
+
+:data:`LEVERS` lists the levers in the original's cumulative order with its claims as data;
+:func:`stack` builds the cumulative recipes. The notebook ``02_optimization_table`` drives it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes
+from fractus.bench.train import measure_training
+from fractus.data import TokenStreams, load_meta, load_tokens, prepare
+from fractus.model import FractusConfig, FractusCTE
+from fractus.tokenizer import get_tokenizer, token_byte_lengths
+from fractus.train import choose_active_blocks, evaluate, lr_lambda, make_optimizer, micro_steps
+
+REPO = Path(__file__).resolve().parents[2]
+REFERENCE_TOKENS_PER_STEP = 2048  # the trainer's defaults: 8 streams × 32 positions × accumulation 8
+# Model dimensions that FRACTUS_SMOKE runs use instead of a preset's (the 'tiny' preset's dims).
+SMOKE_DIMS = dict(d_model=32, n_heads=2, expert_d_ff=32, expert_rank=8, n_oscillators=4, coupling_rank=2)
+
+
+DATA_NAMES = {8192: "shakespeare-8k", 50257: "shakespeare-50k"}
+
+
+def shakespeare(vocab_size: int) -> Path:
+    """``data/shakespeare-8k`` / ``-50k`` (the embedded corpus tokenized at ``vocab_size``),
+    prepared when missing."""
+    out = REPO / "data" / DATA_NAMES.get(vocab_size, f"shakespeare-v{vocab_size}")
+    if not (out / "meta.json").exists():
+        prepare("shakespeare", out, vocab_size)
+    meta = load_meta(out)
+    if meta["vocab_size"] != vocab_size:
+        raise ValueError(f"{out} holds vocabulary {meta['vocab_size']}, expected {vocab_size}")
+    return out
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One training configuration. Defaults are the original's unoptimised baseline."""
+    preset: str = "palier0"
+    vocab_size: int = 50257
+    tie_head: bool = False
+    head_positions: str = "all"
+    sparse_moe: bool = False  # False: every expert runs for every token (top_k = n_experts)
+    accum: int = 1
+    chunk_len: int = 16
+    detach_kuramoto: bool = False
+    optimizer: str = "adamw"
+    batch_size: int = 1
+    fused_ce: bool = False
+    active_blocks: int = 0  # PGSU: blocks that get weight gradients per step (0 = all)
+    compile: bool = False
+    reduced_vocab: int = 8192  # the vocabulary the "reduced vocabulary" lever switches to
+    dims: tuple = field(default=())  # (key, value) config overrides, e.g. smoke-size dims
+
+    def config(self) -> FractusConfig:
+        base = FractusConfig.preset(self.preset, **dict(self.dims))
+        over = dict(vocab_size=self.vocab_size, tie_head=self.tie_head, fused_ce=self.fused_ce,
+                    detach_kuramoto=self.detach_kuramoto, chunk_len=self.chunk_len,
+                    top_k=base.top_k if self.sparse_moe else base.n_experts)
+        return FractusConfig.preset(self.preset, **{**dict(self.dims), **over})
+
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.chunk_len * self.accum
+
+    def lr(self) -> float:
+        """Peak learning rate: the trainer's default (AdamW/RMSprop 2e-3, SGD 0.1), which is set
+        for its 2048 tokens per step, scaled by √(tokens per step / 2048). Unscaled, at the
+        original baseline's 16 tokens per step (tied head, vocabulary 50257), validation CE
+        rose above a uniform guess's in our runs (12.9 vs 10.8 nats after 32k tokens)."""
+        base = 0.1 if self.optimizer == "sgd" else 2e-3
+        return base * math.sqrt(self.tokens_per_step() / REFERENCE_TOKENS_PER_STEP)
+
+    def model_overrides(self) -> dict:
+        """The config overrides :func:`fractus.bench.train.measure_training` takes."""
+        cfg = self.config()
+        return dict(dict(self.dims), vocab_size=cfg.vocab_size, tie_head=cfg.tie_head,
+                    fused_ce=cfg.fused_ce, detach_kuramoto=cfg.detach_kuramoto, top_k=cfg.top_k)
+
+
+# (name, recipe change, the original's claim as written, its claimed whole-step gain or None,
+#  how many consecutive levers ending here that gain covers)
+LEVERS = [
+    ("tied head", dict(tie_head=True), "~1.1x (less optimizer state)", 1.1, 1),
+    ("head-partial (1 of C positions)", dict(head_positions="last"),
+     "~2x on head fwd+bwd; ~1.5x together with the tied head", 1.5, 2),
+    ("gradient accumulation 8", dict(accum=8), "~1.4x", 1.4, 1),
+    ("chunk_len 32", dict(chunk_len=32), "~1.1x", 1.1, 1),
+    ("detached Kuramoto", dict(detach_kuramoto=True), "~1.06x (-8 ms fwd, -8 ms bwd)", 1.06, 1),
+    ("sparse MoE (top-2 of all)", dict(sparse_moe=True), "~1.1x (8x less MoE work at 16 experts)", 1.1, 1),
+    ("SGD instead of AdamW", dict(optimizer="sgd"), "~1.37x", 1.37, 1),
+    ("batch size 8", dict(batch_size=8), "~4x (B=8 vs B=1)", 4.0, 1),
+    ("reduced vocabulary", dict(vocab_size="reduced"), "3-6x on the head (proposed: 50k → 8k)", None, 1),
+    ("fused cross-entropy", dict(fused_ce=True), "~1.2x (proposed)", 1.2, 1),
+    ("PGSU (half the blocks per step)", dict(active_blocks=-2), "~2x on backward (4 of 16 blocks)", None, 1),
+]
+# The original's combined table: baseline 4 tok/s; the 7 levers above through SGD: ~177x; + B=8: ~336x.
+ORIGINAL_COMBINED = {"baseline_tok_s": 4.0, "through_sgd": 177.0, "with_batch_8": 336.0}
+# Extra single-lever variants shown next to the cumulative ones (speed alone from the baseline).
+ALONE_EXTRA = [("chunk_len 64", dict(chunk_len=64)), ("chunk_len 128", dict(chunk_len=128)),
+               ("RMSprop instead of AdamW", dict(optimizer="rmsprop"))]
+
+
+def _resolve(recipe: Recipe, change: dict) -> Recipe:
+    change = dict(change)
+    if change.get("active_blocks") == -2:  # half the blocks, at least one
+        change["active_blocks"] = max(1, recipe.config().n_layers // 2)
+    if change.get("vocab_size") == "reduced":
+        change["vocab_size"] = recipe.reduced_vocab
+    return replace(recipe, **change)
+
+
+def stack(base: Recipe, levers=LEVERS) -> list[tuple[str, Recipe]]:
+    """[("baseline", base), (lever 1, base + 1), (lever 2, base + 1 + 2), …]."""
+    out, r = [("baseline", base)], base
+    for name, change, *_ in levers:
+        r = _resolve(r, change)
+        out.append((name, r))
+    return out
+
+
+def alone(base: Recipe, levers=LEVERS, extra=ALONE_EXTRA) -> list[tuple[str, Recipe]]:
+    """[(lever, base + that lever only)] for every lever and the extra variants."""
+    return [(name, _resolve(base, change)) for name, change, *_ in list(levers) + list(extra)]
+
+
+def toggles(base: Recipe, levers=LEVERS) -> tuple[Recipe, list[tuple[str, Recipe, Recipe]]]:
+    """Each lever switched on and off in the combined configuration (every lever but the last,
+    PGSU, stacked on ``base``): returns (combined, [(lever, with it, without it)]). "Without"
+    puts the lever's fields back to the baseline's values; the last lever is added instead."""
+    combined = stack(base, levers[:-1])[-1][1]
+    out = []
+    for name, change, *_ in levers:
+        on = _resolve(combined, change)
+        off = replace(on, **{k: getattr(base, k) for k in change})
+        out.append((name, on, off))
+    return combined, out
+
+
+# -------------------------------------------------------------------------------- speed
+def measure_speed(recipe: Recipe, min_tokens: int = 4096, min_steps: int = 3, warmup: int = 1,
+                  device: str = "cpu", bf16: bool = False, backend: str = "auto") -> dict:
+    """tok/s of ``recipe``'s optimizer steps (median over ≥ ``min_steps`` and ≥ ``min_tokens``)."""
+    steps = max(min_steps, math.ceil(min_tokens / recipe.tokens_per_step()))
+    r = measure_training(recipe.preset, batch_size=recipe.batch_size, chunk_len=recipe.chunk_len,
+                         accum=recipe.accum, optimizer=recipe.optimizer, lr=recipe.lr(),
+                         head_positions=recipe.head_positions, active_blocks=recipe.active_blocks,
+                         compile=recipe.compile, steps=steps, warmup=warmup, device=device,
+                         bf16=bf16, backend=backend, **recipe.model_overrides())
+    return {"tok_s": r["tok_s"], "step_s": r["step_s"], "steps_timed": steps, "params": r["params"]}
+
+
+def compile_effect(recipe: Recipe, min_tokens: int = 4096, min_steps: int = 3) -> dict:
+    """torch.compile on ``recipe`` (CPU): eager tok/s, then one compiled model that first checks
+    it computes the same loss as the eager model on a batch (relative difference), then is
+    timed like :func:`measure_speed`; the compile time is the first two steps' (and the check's)
+    wall time beyond two steady steps."""
+    eager = measure_speed(recipe, min_tokens, min_steps)
+    torch.manual_seed(0)
+    model = FractusCTE(recipe.config())
+    opt = make_optimizer(model, recipe.optimizer, recipe.lr(), 0.0)
+    fwd = torch.compile(model)
+    g = torch.Generator().manual_seed(0)
+    V, B, C, device = model.cfg.vocab_size, recipe.batch_size, recipe.chunk_len, torch.device("cpu")
+
+    def batches():
+        for _ in range(recipe.accum):
+            x = torch.randint(0, V, (B, C + 1), generator=g)
+            yield x[:, :-1], x[:, 1:], False
+
+    x, y, _ = next(batches())
+    t0 = time.perf_counter()
+    loss_c = fwd(x, None, y, recipe.head_positions)[1]["loss"].item()
+    loss_e = model(x, None, y, recipe.head_positions)[1]["loss"].item()
+    steps = max(min_steps, math.ceil(min_tokens / recipe.tokens_per_step()))
+    state, times = None, []
+    for i in range(2 + steps):
+        t1 = time.perf_counter()
+        _, _, state, _ = micro_steps(fwd, batches(), state, recipe.accum, recipe.head_positions, device, False)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t1)
+        if i == 1:
+            first = time.perf_counter() - t0
+    step_s = sorted(times[2:])[len(times[2:]) // 2]
+    tok_s = recipe.tokens_per_step() / step_s
+    return {"eager_tok_s": eager["tok_s"], "compiled_tok_s": tok_s, "speedup": tok_s / eager["tok_s"],
+            "compile_s": first - 2 * step_s, "loss_rel_diff": abs(loss_c - loss_e) / abs(loss_e)}
+
+
+def recipe_step_thunk(device: str = "cpu", **fields):
+    """Build ``Recipe(**fields)``'s model and optimizer; return a thunk running one optimizer step."""
+    recipe = Recipe(**{k: tuple(map(tuple, v)) if k == "dims" else v for k, v in fields.items()})
+    device = torch.device(device)
+    torch.manual_seed(0)
+    model = FractusCTE(recipe.config()).to(device)
+    opt = make_optimizer(model, recipe.optimizer, recipe.lr(), 0.01)
+    if recipe.active_blocks:
+        act = set(choose_active_blocks(len(model.blocks), recipe.active_blocks, 0, 0))
+        for i, blk in enumerate(model.blocks):
+            blk.requires_grad_(i in act)
+    g = torch.Generator().manual_seed(0)
+    V = model.cfg.vocab_size
+
+    def batches():
+        for _ in range(recipe.accum):
+            x = torch.randint(0, V, (recipe.batch_size, recipe.chunk_len + 1), generator=g)
+            yield x[:, :-1], x[:, 1:], False
+
+    def run():
+        micro_steps(model, batches(), None, recipe.accum, recipe.head_positions, device, False)
+        opt.step()
+    return run
+
+
+def peak_bytes(recipe: Recipe, device: str = "cpu") -> int:
+    """Peak memory of a first optimizer step above the built model (fresh process on CPU)."""
+    fields = {k: v for k, v in asdict(recipe).items() if k not in ("compile", "reduced_vocab")}
+    if torch.device(device).type == "cuda":
+        return cuda_peak_bytes(recipe_step_thunk(device=device, **fields))
+    return cpu_peak_bytes("fractus.bench.levers:recipe_step_thunk", **fields)
+
+
+# -------------------------------------------------------------------------------- quality
+def spread_windows(tokens: np.ndarray, n: int, windows: int) -> np.ndarray:
+    """``windows`` evenly spaced contiguous pieces of ``tokens`` holding ``n`` tokens together
+    (plus the token after the last piece, its last target), concatenated; all of ``tokens``
+    when it is too short for that."""
+    if windows < 1 or windows * math.ceil(n / windows) + 1 >= len(tokens):
+        return np.asarray(tokens)
+    w = math.ceil(n / windows)
+    starts = [round(i * (len(tokens) - w - 1) / max(1, windows - 1)) for i in range(windows)]
+    pieces = [np.asarray(tokens[s:s + w]) for s in starts]
+    return np.concatenate(pieces + [np.asarray(tokens[starts[-1] + w:starts[-1] + w + 1])])
+
+
+def short_train(recipe: Recipe, tokens: int, eval_tokens: int, *, seed: int = 0,
+                data_dir: str | Path | None = None, train_slice: tuple[float, float] = (0.0, 1.0),
+                model: FractusCTE | None = None, threads: int = 0, windows: int = 8,
+                eval_batch: int = 8, eval_chunk: int = 32) -> dict:
+    """Train ``recipe`` on ``tokens`` tokens of the Shakespeare training split and evaluate.
+
+    The trainer's pieces (optimizer groups, LR warm-up + cosine to 10 %, grad clip 1.0,
+    micro-steps with the carried state, PGSU block choice); warm-up is min(50, steps/10) steps.
+    The text read is :func:`spread_windows`: ``windows`` evenly spaced contiguous pieces of the
+    split, so every recipe trained on the same number of tokens sees the same text whatever its
+    batch (B streams split it; B=1 reads it in order). ``train_slice`` restricts training to a
+    fraction of the split first (e.g. (0, .5) and (.5, 1) for disjoint halves); ``model`` starts
+    from given weights instead of a fresh seeded model.
+    Validation: ``eval_tokens`` tokens of the validation split read as ``eval_batch`` evenly
+    spaced streams of ``eval_chunk``-token chunks, the same for every recipe of one vocabulary.
+
+    Returns {val_ce, val_bpb, val_ppl, val_tokens, train_ce (last step), steps, tokens, seconds};
+    a given ``model`` is trained in place.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    data = Path(data_dir) if data_dir is not None else shakespeare(recipe.vocab_size)
+    meta = load_meta(data)
+    train_tok = load_tokens(data, "train", meta)
+    lo, hi = (int(f * len(train_tok)) for f in train_slice)
+    steps = max(1, math.ceil(tokens / recipe.tokens_per_step()))
+    train_tok = spread_windows(train_tok[lo:hi], steps * recipe.tokens_per_step(), windows)
+    cfg = recipe.config()
+    if cfg.vocab_size != meta["vocab_size"]:
+        raise ValueError(f"recipe vocabulary {cfg.vocab_size} != data's {meta['vocab_size']}")
+    torch.manual_seed(seed)
+    if model is None:
+        model = FractusCTE(cfg)
+    model.train()
+    fwd = torch.compile(model) if recipe.compile else model
+    opt = make_optimizer(model, recipe.optimizer, recipe.lr(), 0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(min(50, max(1, steps // 10)), steps, 0.1))
+    streams = TokenStreams(train_tok, recipe.batch_size, recipe.chunk_len)
+    device = torch.device("cpu")
+    state, ce = None, float("nan")
+    for step in range(steps):
+        if recipe.active_blocks:
+            act = set(choose_active_blocks(cfg.n_layers, recipe.active_blocks, seed, step))
+            for i, blk in enumerate(model.blocks):
+                blk.requires_grad_(i in act)
+        batches = (streams.next() for _ in range(recipe.accum))
+        ce, _, state, finite = micro_steps(fwd, batches, state, recipe.accum, recipe.head_positions,
+                                           device, False)
+        if not finite:
+            raise FloatingPointError(f"non-finite loss at step {step} training {recipe}")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    model.requires_grad_(True)
+    val = evaluate(model, load_tokens(data, "val", meta), eval_batch, eval_chunk, eval_tokens,
+                   token_byte_lengths(get_tokenizer(cfg.vocab_size)), device)
+    return {**val, "train_ce": ce, "steps": steps, "tokens": steps * recipe.tokens_per_step(),
+            "seconds": time.perf_counter() - t0}
+
+
+def _train_job(args):
+    recipe, tokens, eval_tokens, seed, threads = args
+    return short_train(recipe, tokens, eval_tokens, seed=seed, threads=threads)
+
+
+def train_many(recipes: list[Recipe], tokens: int, eval_tokens: int, seed: int = 0,
+               workers: int | None = None) -> list[dict]:
+    """:func:`short_train` for each recipe, in ``workers`` spawned processes of one thread each
+    (quality does not depend on threads; nothing here is timed)."""
+    for v in sorted({r.vocab_size for r in recipes}):
+        shakespeare(v)  # prepare once, before the workers start
+    workers = workers or max(1, min(len(recipes), os.cpu_count() or 1))
+    jobs = [(r, tokens, eval_tokens, seed, 1) for r in recipes]
+    if workers == 1:
+        return [_train_job(j) for j in jobs]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
+        return list(ex.map(_train_job, jobs))
+
+
+# -------------------------------------------------------------------------------- GPU rows
+def gpu_rows(smoke: bool = False) -> list[dict]:
+    """The cumulative stack's speed on the GPU (bf16 autocast, Triton kernels), plus the fp32
+    and PyTorch-kernel variants of the last row; for the GPU suite → results/gpu/levers.csv.
+    With ``smoke`` (or without CUDA) it runs on CPU at smoke sizes in fp32 with the torch path."""
+    cuda = torch.cuda.is_available() and not smoke
+    device = "cuda" if cuda else "cpu"
+    base = Recipe(dims=tuple(SMOKE_DIMS.items()) if not cuda else ())
+    min_tok = 8192 if cuda else 256
+    rows, ref = [], None
+    for name, r in stack(base):
+        m = measure_speed(r, min_tokens=min_tok, device=device, bf16=cuda)
+        ref = ref or m["tok_s"]
+        rows.append({"table": "cumulative", "lever": name, "dtype": "bf16" if cuda else "fp32",
+                     "backend": "auto", **m, "cumulative_speedup": m["tok_s"] / ref})
+    last = rows[-1]["tok_s"]
+    variants = [("fp32 (no autocast)", False, "auto"), ("PyTorch kernels instead of Triton", cuda, "torch")]
+    for name, bf16, backend in variants:
+        m = measure_speed(stack(base)[-1][1], min_tokens=min_tok, device=device, bf16=bf16,
+                          backend=backend)
+        rows.append({"table": "variant of the last row", "lever": name,
+                     "dtype": "bf16" if bf16 else "fp32", "backend": backend, **m,
+                     "speedup_vs_last_row": m["tok_s"] / last})
+    return rows

@@ -1,0 +1,277 @@
+"""Where the time of a training iteration goes: phases and forward components.
+
+An iteration is one micro-step (forward + backward) and one optimizer step, as in the original
+analysis. :func:`phase_times` times the three phases without a profiler (median over
+iterations). :func:`forward_components` runs ``torch.profiler`` and attributes every op's self
+time inside the forward to the model's ``record_function`` labels ("embedding", "attention",
+"kuramoto", "moe", "head_loss"); LayerNorms count as "norms" wherever they sit (the original
+lumped them with the embedding) and whatever no label covers (residual adds, load balance, the
+routing bookkeeping) is "per-block overhead". The components add up to the profiled forward.
+
+On CUDA the same code times with synchronisation and attributes kernel (device) time.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from fractus.bench.levers import Recipe
+from fractus.model import FractusCTE
+from fractus.train import autocast, make_optimizer
+
+PHASES = ("forward", "backward", "optimizer")
+LABELS = ("embedding", "attention", "kuramoto", "moe", "head_loss")
+COMPONENTS = ("attention", "kuramoto", "moe", "embedding", "norms", "head_loss", "per-block overhead")
+# The original's forward table groups embedding and norms into one row.
+ORIGINAL_ROWS = {"attention": "Attention", "kuramoto": "Kuramoto", "moe": "MoE",
+                 "embedding": "Embedding + norms", "norms": "Embedding + norms",
+                 "head_loss": "Output head / loss", "per-block overhead": "Per-block overhead"}
+_MARK = "fractus_phase:"
+
+
+class _Iteration:
+    """A model, its optimizer and a fixed random batch; ``run()`` does one iteration."""
+
+    def __init__(self, recipe: Recipe, device: str = "cpu", bf16: bool = False, seed: int = 0):
+        self.device = torch.device(device)
+        self.recipe, self.bf16 = recipe, bf16
+        torch.manual_seed(seed)
+        self.model = FractusCTE(recipe.config()).to(self.device)
+        self.opt = make_optimizer(self.model, recipe.optimizer, recipe.lr(), 0.01)
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randint(0, self.model.cfg.vocab_size, (recipe.batch_size, recipe.chunk_len + 1), generator=g)
+        self.x, self.y = x[:, :-1].to(self.device), x[:, 1:].to(self.device)
+        self.state = None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run(self, mark: bool = False) -> tuple[float, float, float]:
+        """One iteration; returns the seconds of forward, backward, optimizer."""
+        ctx = (lambda name: record_function(_MARK + name)) if mark else (lambda name: nullcontext())
+        times = []
+        self._sync()
+        t0 = time.perf_counter()
+        with ctx("forward"), autocast(self.device, self.bf16):
+            _, parts, state = self.model(self.x, self.state, self.y, self.recipe.head_positions)
+        self._sync()
+        times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with ctx("backward"):
+            parts["loss"].backward()
+        self._sync()
+        times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with ctx("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        self._sync()
+        times.append(time.perf_counter() - t0)
+        self.state = FractusCTE.detach_state(state)
+        return tuple(times)
+
+
+def phase_times(recipe: Recipe, iters: int = 5, warmup: int = 2, device: str = "cpu",
+                bf16: bool = False) -> dict[str, float]:
+    """Median milliseconds of forward, backward and optimizer per iteration (and their total)."""
+    it = _Iteration(recipe, device, bf16)
+    for _ in range(warmup):
+        it.run()
+    runs = [it.run() for _ in range(iters)]
+    out = {p: 1e3 * statistics.median(r[i] for r in runs) for i, p in enumerate(PHASES)}
+    out["total"] = sum(out[p] for p in PHASES)
+    return out
+
+
+def _component(ev) -> str:
+    """The forward component an op belongs to: the nearest label above it (itself included)."""
+    e = ev
+    while e is not None:
+        name = e.name
+        if name == "aten::layer_norm":
+            return "norms"
+        if name in LABELS:
+            return name
+        if name.startswith(_MARK):
+            return "per-block overhead"
+        e = e.cpu_parent
+    return "per-block overhead"
+
+
+def attribute(events, device_time: bool = False) -> dict[str, float]:
+    """Self time (ms) of every op under the profiled forward ranges, summed per component;
+    also "forward" (the ranges' inclusive time) and the backward/optimizer ranges' times."""
+    out = {c: 0.0 for c in COMPONENTS}
+    ranges = {p: 0.0 for p in PHASES}
+
+    def self_t(e):
+        return (e.self_device_time_total if device_time else e.self_cpu_time_total) / 1e3
+
+    def total_t(e):
+        return (e.device_time_total if device_time else e.cpu_time_total) / 1e3
+
+    def inside_forward(e):
+        while e is not None:
+            if e.name == _MARK + "forward":
+                return True
+            e = e.cpu_parent
+        return False
+
+    for e in events:
+        if e.name.startswith(_MARK):
+            ranges[e.name[len(_MARK):]] += total_t(e)
+        if inside_forward(e):
+            out[_component(e)] += self_t(e)
+    return {**out, **ranges}
+
+
+def forward_components(recipe: Recipe, iters: int = 3, warmup: int = 2, device: str = "cpu",
+                       bf16: bool = False) -> dict[str, float]:
+    """Mean milliseconds per iteration of each forward component (:data:`COMPONENTS`) under
+    ``torch.profiler``, plus the profiled "forward", "backward", "optimizer" and "ops" (ATen op
+    calls per iteration, a proxy for kernel launches)."""
+    it = _Iteration(recipe, device, bf16)
+    for _ in range(warmup):
+        it.run()
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with _quiet_native_stderr():
+        with profile(activities=acts) as prof:
+            for _ in range(iters):
+                it.run(mark=True)
+        events = prof.events()
+    out = attribute(events, device_time=cuda)
+    out = {k: v / iters for k, v in out.items()}
+    out["ops"] = launched_ops(events) / iters
+    return out
+
+
+@contextmanager
+def _quiet_native_stderr():
+    """Kineto prints start/stop lines on the process's C-level stderr; keep them out of outputs."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+_NO_KERNEL = {"aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::as_strided",
+              "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::permute", "aten::slice",
+              "aten::select", "aten::unbind", "aten::split", "aten::chunk", "aten::detach",
+              "aten::alias", "aten::_unsafe_view", "aten::lift_fresh", "aten::empty",
+              "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg",
+              "aten::result_type", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
+              "aten::contiguous", "aten::to", "aten::_to_copy", "aten::numpy_T", "aten::narrow",
+              "detach", "aten::set_", "aten::flatten", "aten::view_as", "aten::expand_as"}
+
+
+def launched_ops(events) -> int:
+    """ATen ops that do work (no view/metadata op) and call no other op: a kernel-launch proxy."""
+    return sum(1 for e in events if e.name.startswith("aten::") and not e.cpu_children
+               and e.name not in _NO_KERNEL)
+
+
+def _tiny(recipe: Recipe, **dims) -> Recipe:
+    """``recipe``'s structure at tiny widths (d=32, vocabulary 512)."""
+    from dataclasses import replace
+    keep = dict(recipe.dims)
+    keep.update(d_model=32, n_heads=2, expert_d_ff=32,
+                expert_rank=8 if recipe.config().expert_rank else 0, **dims)
+    return replace(recipe, vocab_size=512, dims=tuple(keep.items()))
+
+
+def _count_ops(recipe: Recipe, warmup: int = 1) -> float:
+    it = _Iteration(recipe)
+    for _ in range(warmup):
+        it.run()
+    with _quiet_native_stderr():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            it.run(mark=True)
+        events = prof.events()
+
+    def in_step(e):
+        while e is not None:
+            if e.name in (_MARK + "forward", _MARK + "backward"):
+                return True
+            e = e.cpu_parent
+        return False
+    return float(launched_ops([e for e in events if in_step(e)]))
+
+
+def op_count(recipe: Recipe, timed: bool = False, iters: int = 3) -> dict[str, float]:
+    """Kernel-launching ATen ops of one micro-step (forward + backward) of ``recipe``, counted
+    on CPU at tiny widths (d=32, vocabulary 512): the count depends on the structure (layers,
+    experts, Kuramoto steps, chunks), not on the widths. Deep or many-expert structures are
+    counted at (1 layer, 4 experts), (2, 4) and (1, 8) and extrapolated (ops are affine in the
+    layers and, per layer, in the experts that receive tokens: an upper estimate when routing
+    leaves experts idle).
+
+    ``timed`` also returns "step_s", the median wall time of the tiny micro-step, and
+    "op_s" = step_s / ops: the per-op cost of eager PyTorch on this machine.
+    """
+    cfg = recipe.config()
+    L, E = cfg.n_layers, cfg.n_experts
+    if L * E <= 64:
+        ops = _count_ops(_tiny(recipe))
+    else:
+        c11, c21, c12 = (_count_ops(_tiny(recipe, n_layers=l, n_experts=e)) for l, e in ((1, 4), (2, 4), (1, 8)))
+        per_expert = (c12 - c11) / 4
+        per_layer = c21 - c11 - 4 * per_expert
+        ops = c11 - per_layer - 4 * per_expert + L * (per_layer + E * per_expert)
+    out = {"ops": ops}
+    if timed:
+        it = _Iteration(_tiny(recipe))
+        for _ in range(2):
+            it.run()
+        out["step_s"] = statistics.median(sum(it.run()[:2]) for _ in range(iters))
+        out["op_s"] = out["step_s"] / _count_ops(_tiny(recipe)) if L * E <= 64 else out["step_s"] / ops
+    return out
+
+
+def breakdown_rows(name: str, recipe: Recipe, iters: int = 5, prof_iters: int = 3,
+                   device: str = "cpu", bf16: bool = False) -> list[dict]:
+    """Rows {config, table, component, ms, pct} of both tables for one configuration: phases
+    (unprofiled, % of the iteration) and forward components (profiled, % of the forward)."""
+    ph = phase_times(recipe, iters=iters, device=device, bf16=bf16)
+    fc = forward_components(recipe, iters=prof_iters, device=device, bf16=bf16)
+    rows = [{"config": name, "table": "phase", "component": p, "ms": ph[p], "pct": 100 * ph[p] / ph["total"]}
+            for p in PHASES]
+    rows.append({"config": name, "table": "phase", "component": "total", "ms": ph["total"], "pct": 100.0})
+    fwd = sum(fc[c] for c in COMPONENTS)
+    rows += [{"config": name, "table": "forward", "component": c, "ms": fc[c], "pct": 100 * fc[c] / fwd}
+             for c in COMPONENTS]
+    rows.append({"config": name, "table": "forward", "component": "forward (profiled)", "ms": fwd,
+                 "pct": 100.0})
+    rows.append({"config": name, "table": "profiled", "component": "ops per iteration",
+                 "ms": float("nan"), "pct": float("nan"), "count": fc["ops"]})
+    for p in PHASES:
+        rows.append({"config": name, "table": "profiled", "component": p, "ms": fc[p],
+                     "pct": float("nan")})
+    return rows
+
+
+def gpu_rows(smoke: bool = False) -> list[dict]:
+    """Both tables for palier0 and palier2 (B=8, C=32, AdamW, bf16) on CUDA, for the GPU suite
+    → results/gpu/profile.csv. With ``smoke`` (or without CUDA): CPU, smoke dims, fp32."""
+    from fractus.bench.levers import SMOKE_DIMS
+    cuda = torch.cuda.is_available() and not smoke
+    dims = () if cuda else tuple(SMOKE_DIMS.items())
+    rows = []
+    for preset in ("palier0", "palier2"):
+        r = Recipe(preset=preset, vocab_size=8192, tie_head=True, sparse_moe=True, chunk_len=32,
+                   batch_size=8, fused_ce=True, dims=dims)
+        rows += breakdown_rows(preset, r, iters=5 if cuda else 1, prof_iters=3 if cuda else 1,
+                               device="cuda" if cuda else "cpu", bf16=cuda)
+    return rows

@@ -1,0 +1,57 @@
+"""What the notebooks share besides measurements: where results go, GPU results when present,
+and figures saved with their provenance."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from fractus.bench.common import SMOKE, provenance
+
+REPO = Path(__file__).resolve().parents[2]
+# The GPU suite's CSVs (``python -m fractus.bench gpu --out results/gpu``); FRACTUS_GPU_RESULTS reads another folder.
+GPU_DIR = Path(os.environ.get("FRACTUS_GPU_RESULTS", REPO / "results" / "gpu"))
+
+
+def results_dir() -> Path:
+    """``results/`` for a real run; a temporary folder under FRACTUS_SMOKE=1, so that smoke runs
+    (CI) never overwrite measured results."""
+    out = Path(tempfile.gettempdir()) / "fractus-smoke-results" if SMOKE else REPO / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def gpu_csv(name: str) -> pd.DataFrame | None:
+    """``results/gpu/<name>.csv`` written by the GPU suite, or None when it was not measured."""
+    path = GPU_DIR / f"{name}.csv"
+    return pd.read_csv(path) if path.exists() else None
+
+
+def footnote(device: torch.device | str = "cpu") -> str:
+    p = provenance(device)
+    return (f"{'SMOKE sizes — ' if SMOKE else ''}measured {p['date']} on {p['device']}; "
+            f"torch {p['torch']}, git {p['git_sha']}")
+
+
+def save_figure(fig, path: str | Path, device: torch.device | str = "cpu", note: str | None = None) -> Path:
+    """Write ``fig`` as PNG with a provenance footnote and a ``<name>.png.json`` sidecar, show
+    it once in the notebook, and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.text(0.01, 0.005, footnote(device) + (f" · {note}" if note else ""), fontsize=6, color="0.4",
+             ha="left", va="bottom")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    path.with_suffix(".png.json").write_text(json.dumps({**provenance(device), "smoke": SMOKE,
+                                                         "note": note or ""}, indent=1))
+    try:
+        from IPython.display import display
+        display(fig)
+    except ImportError:
+        pass
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path

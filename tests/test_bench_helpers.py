@@ -1,0 +1,190 @@
+"""The notebooks' pure helpers: the cost model, repetition metrics, merge mean, lever recipes,
+the profiler attribution and the decode-vs-forward probe."""
+import math
+
+import pytest
+import torch
+
+from fractus.bench import costmodel as cm
+from fractus.bench import levers as L
+from fractus.bench import probes as PR
+from fractus.bench import profile as P
+from fractus.model import FractusConfig, FractusCTE
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and one thread is immune to a busy CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------ cost model
+@pytest.mark.parametrize("preset", ["tiny", "palier0"])
+@pytest.mark.parametrize("over", [{}, {"tie_head": False}, {"expert_rank": 0}, {"router": "linear"}])
+def test_param_count_matches_the_model(preset, over):
+    cfg = FractusConfig.preset(preset, **over)
+    model = FractusCTE(cfg)
+    assert cm.num_params(cfg) == model.num_params()
+    assert cm.chinchilla_tokens(cfg, 1.0, active=True) == model.num_params(active=True)
+    assert cm.chinchilla_tokens(cfg) == 20 * model.num_params()
+
+
+def test_flops_rules():
+    cfg = FractusConfig.preset("palier0")
+    fwd = cm.flops_per_token(cfg, training=False)
+    train = cm.flops_per_token(cfg, training=True)
+    assert set(fwd) == set(cm.COMPONENTS) and fwd["embedding"] == 0
+    for k in ("attention", "moe", "head", "norms", "kuramoto"):
+        assert train[k] == pytest.approx(3 * fwd[k]) and fwd[k] > 0
+    det = cm.flops_per_token(FractusConfig.preset("palier0", detach_kuramoto=True), training=True)
+    assert det["kuramoto"] == pytest.approx(fwd["kuramoto"])  # no backward through a detached clock
+    last = cm.flops_per_token(cfg, head_positions="last")
+    assert last["head"] * cfg.chunk_len == pytest.approx(train["head"])
+    # the head is 2·d·V multiply-adds per token forward, plus the softmax
+    assert fwd["head"] >= 2 * cfg.d_model * cfg.vocab_size
+    # dense experts cost 4·d·F per expert, low-rank 4·(d + F)·r: palier0's low rank is cheaper
+    dense = cm.flops_per_token(FractusConfig.preset("palier0", expert_rank=0), training=False)
+    assert dense["moe"] > fwd["moe"]
+    # every expert for every token (top_k = E) doubles palier0's expert work (E = 4, K = 2)
+    allx = cm.flops_per_token(FractusConfig.preset("palier0", top_k=4), training=False)
+    assert 1.5 < allx["moe"] / fwd["moe"] <= 2.0
+    with pytest.raises(ValueError):
+        cm.flops_per_token(cfg, head_positions="first")
+
+
+def test_bytes_and_roofline():
+    cfg = FractusConfig.preset("palier0")
+    small, big = cm.bytes_per_token(cfg, 32), cm.bytes_per_token(cfg, 4096)
+    assert all(big[k] <= small[k] for k in cm.COMPONENTS)  # weights amortised over more tokens
+    assert cm.bytes_per_token(cfg, 256, fused_ce=False)["head"] > cm.bytes_per_token(cfg, 256)["head"]
+    assert cm.bytes_per_token(cfg, 256, dtype_bytes=2)["moe"] < cm.bytes_per_token(cfg, 256)["moe"]
+    kw = dict(peak_flops=1e11, peak_bw=1e10, batch_size=8, chunk_len=32)
+    bound = cm.roofline(cfg, **kw)
+    slow = cm.roofline(cfg, **kw, n_ops=1000, op_overhead_s=1e-5)
+    assert bound["tok_s"] == pytest.approx(1 / sum(bound["components"].values()))
+    assert slow["tok_s"] < bound["tok_s"]
+    assert slow["components"]["dispatch"] == pytest.approx(1000 * 1e-5 / (8 * 32))
+    compute_free = cm.roofline(cfg, peak_flops=1e30, peak_bw=1e10)
+    assert all(compute_free["bound"][k] == "memory" for k in cm.COMPONENTS)
+    assert cm.optimizer_cost(cfg, "adamw", 256)["bytes"] > cm.optimizer_cost(cfg, "sgd", 256)["bytes"]
+    assert cm.time_to_train(1e6, 1e3) == 1e3
+    with pytest.raises(ValueError):
+        cm.time_to_train(1e6, 0)
+
+
+# ------------------------------------------------------------------------------ repetition
+def test_repetition_metrics_on_known_sequences():
+    assert PR.distinct_n(list("abcd"), 1) == 1.0
+    assert PR.distinct_n(list("aaaa"), 1) == 0.25
+    assert PR.distinct_n(list("abab"), 2) == pytest.approx(2 / 3)
+    assert PR.distinct_n(list("a"), 2) == 0.0
+    assert PR.longest_repeat_run(list("ababab")) == (6, 2)
+    assert PR.longest_repeat_run(list("xaaaay")) == (4, 1)
+    assert PR.longest_repeat_run(list("abcabcab")) == (8, 3)
+    assert PR.longest_repeat_run(list("abcdef")) == (0, 0)
+    assert PR.longest_repeat_run(list("abcab")) == (0, 0)  # one and a half copies is not a repeat
+    assert PR.longest_repeat_run([7, 7]) == (2, 1)
+    assert PR.top_token_share(list("aabc")) == 0.5
+    m = PR.repetition_metrics([1, 2, 1, 2, 1, 2, 3])
+    assert m == {"distinct_1": 3 / 7, "distinct_2": 3 / 6, "longest_repeat_run": 6, "repeat_period": 2,
+                 "top_token_share": 3 / 7}
+    ref = PR.reference_metrics(list(range(100)), n_windows=4, length=10)
+    assert len(ref) == 4 and all(r["distinct_1"] == 1.0 and r["longest_repeat_run"] == 0 for r in ref)
+
+
+def test_mean_merge():
+    a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor([3])}
+    b = {"w": torch.tensor([3.0, 6.0]), "n": torch.tensor([3])}
+    m = PR.mean_merge([a, b])
+    assert torch.equal(m["w"], torch.tensor([2.0, 4.0])) and torch.equal(m["n"], torch.tensor([3]))
+
+
+def test_decode_vs_forward_and_generation_table():
+    torch.manual_seed(0)
+    model = FractusCTE(FractusConfig.preset("tiny"))
+    r = PR.decode_vs_forward(model, list(range(1, 40)))
+    assert r["positions"] == 39 and r["max_rel_err"] < 1e-5 and r["argmax_agreement"] == 1.0
+
+    class Enc:  # a stand-in tokenizer over the tiny vocabulary
+        def encode_ordinary(self, s):
+            return [ord(c) % 500 for c in s]
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    rows = PR.generation_table(model, Enc(), prompts=("ab", "cd"), max_new_tokens=6)
+    assert len(rows) == 2 * len(PR.STRATEGIES)
+    assert all(len(r["ids"]) == 6 and 0 <= r["distinct_2"] <= 1 for r in rows)
+
+
+# ------------------------------------------------------------------------------ levers
+def test_lever_stack_and_alone():
+    base = L.Recipe(dims=tuple(L.SMOKE_DIMS.items()))
+    assert base.config().top_k == base.config().n_experts  # the baseline runs every expert
+    stack = L.stack(base)
+    assert len(stack) == len(L.LEVERS) + 1 and stack[0] == ("baseline", base)
+    last = stack[-1][1]
+    assert (last.tie_head, last.head_positions, last.accum, last.chunk_len, last.detach_kuramoto,
+            last.optimizer, last.batch_size, last.vocab_size, last.fused_ce) == \
+        (True, "last", 8, 32, True, "sgd", 8, 8192, True)
+    assert last.config().top_k == 2 and last.active_blocks == 1 and last.tokens_per_step() == 2048
+    alone = dict(L.alone(base))
+    assert alone["reduced vocabulary"].vocab_size == base.reduced_vocab
+    assert alone["tied head"].head_positions == "all" and alone["tied head"].tie_head
+    assert len(alone) == len(L.LEVERS) + len(L.ALONE_EXTRA)
+    assert last.lr() == 0.1 and L.Recipe(batch_size=8, chunk_len=32, accum=8).lr() == 2e-3
+    assert L.Recipe().lr() == pytest.approx(2e-3 * (16 / 2048) ** 0.5)
+
+
+def test_toggles_switch_one_lever_in_the_combined_configuration():
+    base = L.Recipe()
+    combined, toggles = L.toggles(base)
+    assert combined == L.stack(base, L.LEVERS[:-1])[-1][1] and combined.active_blocks == 0
+    assert [n for n, *_ in toggles] == [n for n, *_ in L.LEVERS]
+    for name, on, off in toggles:
+        differ = {k for k in on.__dataclass_fields__ if getattr(on, k) != getattr(off, k)}
+        assert len(differ) == 1, (name, differ)
+        assert (on == combined) != (name.startswith("PGSU")) and (off == combined) == name.startswith("PGSU")
+
+
+def test_spread_windows():
+    import numpy as np
+    t = np.arange(1000)
+    w = L.spread_windows(t, 80, 8)
+    assert len(w) == 81 and w[0] == 0 and w[-1] == 999 - 0 and w[-2] == 998
+    pieces = w[:80].reshape(8, 10)
+    assert (np.diff(pieces, axis=1) == 1).all() and (np.diff(pieces[:, 0]) > 10).all()  # contiguous, spread out
+    assert len(L.spread_windows(t, 2000, 8)) == 1000  # too short: everything
+
+
+def test_short_train_learns_on_its_slice(tmp_path):
+    from fractus.data import prepare
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be or not to be, that is the question.\n" * 400)
+    prepare(str(text), tmp_path / "data", 512)
+    r = L.Recipe(preset="tiny", vocab_size=512, tie_head=True, sparse_moe=True, fused_ce=True, batch_size=2,
+                 chunk_len=16, accum=1)
+    torch.manual_seed(0)
+    model = FractusCTE(r.config())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = L.short_train(r, 512, 256, data_dir=tmp_path / "data", train_slice=(0.0, 0.5), model=model)
+    assert out["steps"] == 16 and out["tokens"] == 512
+    assert math.isfinite(out["val_ce"]) and out["val_ce"] < math.log(512)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ------------------------------------------------------------------------------ profiler
+def test_forward_components_cover_the_profiled_forward():
+    r = L.Recipe(preset="tiny", vocab_size=512, tie_head=True, sparse_moe=True, fused_ce=True, batch_size=2,
+                 chunk_len=16)
+    fc = P.forward_components(r, iters=1, warmup=1)
+    total = sum(fc[c] for c in P.COMPONENTS)
+    assert total == pytest.approx(fc["forward"], rel=0.02)
+    for label in ("attention", "kuramoto", "moe", "head_loss", "norms"):
+        assert fc[label] > 0, label
+    assert fc["backward"] > 0 and fc["optimizer"] > 0 and fc["ops"] > 50
+    ph = P.phase_times(r, iters=1, warmup=1)
+    assert ph["total"] == pytest.approx(ph["forward"] + ph["backward"] + ph["optimizer"])
