@@ -7,7 +7,7 @@ from fractus.bench.gpu import KERNELS, run_suite
 def test_gpu_suite_dry_run(tmp_path):
     tables = run_suite(tmp_path, dry_run=True)
     assert tables["failures"].empty, tables["failures"].to_dict("records")
-    for name in ["ceilings", "train_throughput", "generation"] + [f"{s}_{k}" for k in KERNELS
+    for name in ["ceilings", "train_throughput", "generation", "levers", "profile"] + [f"{s}_{k}" for k in KERNELS
                                                                   for s in ("correctness", "timing")]:
         df = pd.read_csv(tmp_path / f"{name}.csv")
         assert len(df) and {"git_sha", "device", "torch", "triton", "date"} <= set(df.columns), name

@@ -3,8 +3,8 @@
 1. provenance and the device's ceilings (device-to-device copy GB/s, large bf16 matmul TFLOP/s);
 2. every Triton kernel compiled for real and checked against its reference in fp32 and bf16;
 3. each kernel timed against its baselines (fla / Liger side by side when installed);
-4. end-to-end bf16 training throughput, peak memory and MFU per preset over a batch sweep, and
-   tick-by-tick generation tokens/s;
+4. end-to-end bf16 training throughput, peak memory and MFU per preset over a batch sweep,
+   tick-by-tick generation tokens/s, the lever stack and the profiler breakdown (notebooks 01, 02);
 5. CSVs under ``results/gpu/`` (read by the notebooks) and a summary table printed last.
 
 A failing stage is recorded in ``failures.csv`` and the suite goes on. ``--dry-run`` runs the
@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from fractus.bench import levers, profile
 from fractus.bench.common import median_time, provenance, write_csv
 from fractus.bench.costmodel import flops_per_token
 from fractus.bench.train import measure_training
@@ -133,6 +134,8 @@ def run_suite(out: Path, dry_run: bool = False) -> dict[str, pd.DataFrame]:
     peak = H200_BF16_DENSE_TFLOPS if not dry_run else max(ceil.get("matmul_tflops", 1e-3), 1e-3)
     stage("train_throughput", lambda: train_rows(device, dry_run, peak))
     stage("generation", lambda: generation_rows(device, dry_run))
+    stage("levers", lambda: levers.gpu_rows(smoke=dry_run))
+    stage("profile", lambda: profile.gpu_rows(smoke=dry_run))
     if failures:
         write_csv(out / "failures.csv", failures, device)
     elif (out / "failures.csv").exists():
