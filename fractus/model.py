@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from fractus.kernels.cross_entropy import linear_cross_entropy
+from fractus.kernels.kuramoto import kuramoto_phase
 from fractus.kernels.linear_attention import linear_attention
 from fractus.kernels.moe import moe
 
@@ -174,23 +175,15 @@ class KuramotoClock(nn.Module):
         self.lam = nn.Parameter(torch.full((cfg.coupling_rank,), 0.5))
         self.register_buffer("offsets", 2 * math.pi * torch.arange(N) / N, persistent=False)
 
-    def rate(self, theta: torch.Tensor) -> torch.Tensor:
-        """dθ/dt = ω − damping·θ + Σ_j K_ij sin(θ_j − θ_i), K = U diag(λ) Uᵀ, in O(N·rank)."""
-        s, c = theta.sin(), theta.cos()
-        Ks = (s @ self.U) * self.lam @ self.U.T
-        Kc = (c @ self.U) * self.lam @ self.U.T
-        return self.omega - self.cfg.kuramoto_damping * theta + c * Ks - s * Kc
-
     def integrate(self, u: torch.Tensor) -> torch.Tensor:
+        """u [.., d] → ψ [..]: θ⁰ = u·W_θ + b_θ + 2πn/N, RK4 steps of dθ/dt = ω − damping·θ +
+        Σ_j K_ij sin(θ_j − θ_i) with K = U diag(λ) Uᵀ, then ψ = atan2(Σ sin θ, Σ cos θ)
+        (:mod:`fractus.kernels.kuramoto`)."""
         theta = self.encoder(u) + self.offsets
-        dt = self.cfg.kuramoto_dt
-        for _ in range(self.cfg.kuramoto_steps):
-            k1 = self.rate(theta)
-            k2 = self.rate(theta + 0.5 * dt * k1)
-            k3 = self.rate(theta + 0.5 * dt * k2)
-            k4 = self.rate(theta + dt * k3)
-            theta = torch.remainder(theta + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4), 2 * math.pi)
-        return torch.atan2(theta.sin().sum(-1), theta.cos().sum(-1))
+        c = self.cfg
+        psi = kuramoto_phase(theta.reshape(-1, theta.shape[-1]), self.omega, self.U, self.lam,
+                             c.kuramoto_dt, c.kuramoto_steps, c.kuramoto_damping, backend=c.backend)
+        return psi.view(theta.shape[:-1])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, T, d] → ψ [B, T], always in fp32 (phases are too fine for bf16)."""

@@ -118,6 +118,15 @@ def test_no_scored_rows(path):
         assert torch.all(dh == 0) and torch.all(dw == 0)
 
 
+def test_torch_path_backward_twice_is_a_clear_error():
+    """The CPU path hands its forward-computed gradients over once (scaled in place)."""
+    h, w, t = _inputs(9, 127, 48)
+    loss = linear_cross_entropy(h, w, t, backend="torch") * 0.5
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_grad_only_for_h(path):
     """weight without requires_grad: its gradient is skipped, dH still right; outputs finite

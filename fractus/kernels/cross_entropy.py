@@ -90,17 +90,18 @@ def linear_cross_entropy_reference(h, weight, targets, *, ignore_index=-100, red
 # Chunked PyTorch path (CPU): gradients computed chunk by chunk during the forward
 # ----------------------------------------------------------------------------------------------
 
-_CHUNK_ELEMS = 1 << 25  # logits elements per chunk (128 MiB fp32)
+_CHUNK_ELEMS = 1 << 23  # logits elements per chunk (32 MiB fp32): the chunk stays in a CPU's L3
 
 
 def _chunk_rows(V: int) -> int:
-    """Token rows per chunk: about _CHUNK_ELEMS logits, 64 to 2048 rows."""
-    return max(64, min(2048, _CHUNK_ELEMS // V))
+    """Token rows per chunk: about _CHUNK_ELEMS logits, 16 to 128 rows (measured best on CPU)."""
+    return max(16, min(128, _CHUNK_ELEMS // V))
 
 
 class _ChunkedLCE(torch.autograd.Function):
     """Per token chunk: logits, lse, ce and (softmax − one-hot)·scale → dH rows, dW += ; nothing
-    [chunk, V] survives the chunk. Backward only multiplies the stored grads by grad_output."""
+    [chunk, V] survives the chunk. Logits are laid out [V, chunk] (W·xᵀ), which makes all three
+    matmuls run at full speed. Backward only scales the stored grads by grad_output, in place."""
 
     @staticmethod
     def forward(ctx, h, weight, t, positions, ignore_index, reduction, z_loss, softcap):
@@ -114,43 +115,45 @@ class _ChunkedLCE(torch.autograd.Function):
         n_valid = int(valid.sum())
         scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
         f32 = dict(dtype=torch.float32, device=h.device)
-        lse = torch.empty(M, **f32)
-        ce = torch.empty(M, **f32)
-        dH = torch.empty(M, d, **f32) if need_h else None
-        dW = torch.zeros(V, d, **f32) if need_w else None
+        lse = _backend.empty(M, **f32)
+        ce = _backend.empty(M, **f32)
+        dH = _backend.empty(M, d, **f32) if need_h else None
+        dW = (_backend.empty(V, d, **f32) if M else torch.zeros(V, d, **f32)) if need_w else None
         C = _chunk_rows(V)
-        buf = torch.empty(min(C, M), V, **f32)
+        buf = torch.empty(V * min(C, M), **f32)
         dbuf = torch.empty_like(buf) if softcap is not None and (need_h or need_w) else None
         for s in range(0, M, C):
             e = min(s + C, M)
             n = e - s
             x = h.detach()[s:e] if positions is None else h.detach()[positions[s:e]]
             x = x.float()
-            lg = torch.mm(x, W.t(), out=buf[:n])
+            lg = torch.mm(W, x.t(), out=buf[:V * n].view(V, n))  # [V, n]
             if softcap is not None:
                 lg.div_(softcap).tanh_()
                 if dbuf is not None:
-                    torch.mul(lg, lg, out=dbuf[:n]).neg_().add_(1.0)  # d capped / d raw = 1 − tanh²
+                    dcap = torch.mul(lg, lg, out=dbuf[:V * n].view(V, n)).neg_().add_(1.0)  # 1 − tanh²
                 lg.mul_(softcap)
-            ts, vs = safe[s:e, None], valid[s:e]
-            tgt = lg.gather(1, ts)[:, 0]
-            m = lg.amax(1)
-            lg.sub_(m[:, None]).exp_()
-            ssum = lg.sum(1)
+            ts, vs = safe[None, s:e], valid[s:e]
+            tgt = lg.gather(0, ts)[0]
+            m = lg.amax(0)
+            lg.sub_(m).exp_()
+            ssum = lg.sum(0)
             l = m + ssum.log()
             lse[s:e] = l
             ce[s:e] = (l - tgt) * vs
             if need_h or need_w:
                 a = vs.float() * scale
                 coef = a * (1.0 + 2.0 * z_loss * l) / ssum if z_loss else a / ssum
-                lg.mul_(coef[:, None])
-                lg.scatter_add_(1, ts, -a[:, None])
+                lg.mul_(coef)
+                lg.scatter_add_(0, ts, -a[None])
                 if dbuf is not None:
-                    lg.mul_(dbuf[:n])
+                    lg.mul_(dcap)
                 if need_h:
-                    torch.mm(lg, W, out=dH[s:e])
-                if need_w:
-                    dW.addmm_(lg.t(), x)
+                    torch.mm(lg.t(), W, out=dH[s:e])
+                if need_w and s:
+                    dW.addmm_(lg, x)
+                elif need_w:
+                    torch.mm(lg, x, out=dW)
         del buf, dbuf
         if need_h:
             if positions is not None:
@@ -158,18 +161,21 @@ class _ChunkedLCE(torch.autograd.Function):
             dH = dH.to(h.dtype)
         if need_w:
             dW = dW.to(weight.dtype)
-        ctx.save_for_backward(dH, dW)
+        ctx.grads = (dH, dW)  # not saved tensors: backward scales them in place and lets go
         loss = _reduce(ce, lse, valid, reduction, z_loss)
         ctx.mark_non_differentiable(ce)
         return loss, ce
 
     @staticmethod
     def backward(ctx, g_loss, g_ce):
-        dH, dW = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy's CPU path computes its gradients in the forward and "
+                               "hands them over once: backward through it twice (retain_graph) is not supported")
+        (dH, dW), ctx.grads = ctx.grads, None
         g = float(g_loss)
         if g != 1.0:
-            dH = dH * g if dH is not None else None
-            dW = dW * g if dW is not None else None
+            dH = dH.mul_(g) if dH is not None else None
+            dW = dW.mul_(g) if dW is not None else None
         return dH, dW, None, None, None, None, None, None
 
 
