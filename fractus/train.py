@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from fractus.allocator import keep_freed_memory
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
 from fractus.data import TokenStreams, load_meta, load_tokens
 from fractus.grow import grow
@@ -418,6 +419,7 @@ def train(argv=None) -> dict:
 
 
 def main(argv=None) -> None:
+    keep_freed_memory()
     try:
         train(argv)
     except (ValueError, FileNotFoundError, FileExistsError, NonFiniteLoss, CheckpointError) as e:

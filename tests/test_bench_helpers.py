@@ -188,3 +188,12 @@ def test_forward_components_cover_the_profiled_forward():
     assert fc["backward"] > 0 and fc["optimizer"] > 0 and fc["ops"] > 50
     ph = P.phase_times(r, iters=1, warmup=1)
     assert ph["total"] == pytest.approx(ph["forward"] + ph["backward"] + ph["optimizer"])
+
+
+def test_keep_freed_memory_applies_on_linux_glibc():
+    import platform
+
+    from fractus.allocator import keep_freed_memory
+    expected = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert keep_freed_memory() is expected
+    assert keep_freed_memory() is expected  # idempotent

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from fractus.allocator import keep_freed_memory
 from fractus.bench.common import SMOKE, write_csv
 
 SUBJECTS = ("train", "linear_attention", "moe", "cross_entropy")
@@ -38,6 +39,7 @@ def main(argv=None) -> None:
     g.add_argument("--out", default="results/gpu")
     g.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, Triton interpreter")
     a = ap.parse_args(argv)
+    keep_freed_memory()
     if a.cmd == "cpu":
         run_cpu(Path(a.out), a.smoke, a.only)
     else:
