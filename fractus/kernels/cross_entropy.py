@@ -90,12 +90,14 @@ def linear_cross_entropy_reference(h, weight, targets, *, ignore_index=-100, red
 # Chunked PyTorch path (CPU): gradients computed chunk by chunk during the forward
 # ----------------------------------------------------------------------------------------------
 
-_CHUNK_ELEMS = 1 << 23  # logits elements per chunk (32 MiB fp32): the chunk stays in a CPU's L3
+_CHUNK_ELEMS = 1 << 24  # logits elements per chunk (64 MiB fp32)
 
 
 def _chunk_rows(V: int) -> int:
-    """Token rows per chunk: about _CHUNK_ELEMS logits, 16 to 128 rows (measured best on CPU)."""
-    return max(16, min(128, _CHUNK_ELEMS // V))
+    """Token rows per chunk: about _CHUNK_ELEMS logits, 16 to 1024 rows. Big chunks make big
+    matmuls: in palier0 training on the 2-core CPU one chunk per micro-step (256 rows) beat
+    chunks of 64 and 128 rows by 5–20 % at V = 8192 and 50257."""
+    return max(16, min(1024, _CHUNK_ELEMS // V))
 
 
 class _ChunkedLCE(torch.autograd.Function):
