@@ -116,6 +116,33 @@ def cpu_peak_bytes(target: str, **kwargs) -> int:
     return int(out)
 
 
+def _fresh_child(target: str, kwargs: dict, q) -> None:
+    from fractus.allocator import keep_freed_memory
+    keep_freed_memory()
+    mod, name = target.split(":")
+    try:
+        q.put(("ok", getattr(importlib.import_module(mod), name)(**kwargs)))
+    except Exception as e:  # the parent re-raises it with the child's message
+        q.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def in_fresh_process(target: str, **kwargs):
+    """``module:function(**kwargs)`` run in a new Python process and its (picklable) result.
+
+    As a training run would: nothing left by earlier measurements (a big model's freed heap
+    slows a small model's many small allocations by up to 25 % on the 2-core machine) and
+    glibc's thresholds set as the trainer sets them (:mod:`fractus.allocator`)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_fresh_child, args=(target, kwargs, q))
+    p.start()
+    status, out = q.get(timeout=3600)
+    p.join()
+    if status != "ok":
+        raise RuntimeError(f"{target} failed in its process: {out}")
+    return out
+
+
 def cuda_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak CUDA memory allocated during ``fn()`` above what was allocated before it."""
     torch.cuda.synchronize()

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes
+from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes, in_fresh_process
 from fractus.model import FractusConfig, FractusCTE
 from fractus.train import choose_active_blocks, make_optimizer, micro_steps
 
@@ -101,8 +101,9 @@ ORIGINAL_LEVERS = dict(head_positions="last", detach_kuramoto=True)  # the seed'
 def cpu_rows(smoke: bool = False) -> list[dict]:
     """Each target in the project's default setting (every position supervised, the clock
     trained), judged on the median step; then palier0 with the original's head-partial and
-    detached clock for comparison with its figures (no target). ``matmul_gflops``: this CPU's
-    fp32 matmul speed measured in the same run (the shared machine's speed drifts)."""
+    detached clock for comparison with its figures (no target). Each case runs in its own
+    process, as a training run does. ``matmul_gflops``: this CPU's fp32 matmul speed measured
+    in the same run (the shared machine's speed drifts)."""
     from fractus.bench.costmodel import cpu_ceilings
     rows = []
     cases = [(p, v, t, {}) for p, v, t in CPU_TARGETS] + [("palier0", v, None, ORIGINAL_LEVERS) for v in (50257, 8192)]
@@ -112,8 +113,8 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
             kw.update(d_model=64, n_heads=1, n_layers=1, expert_d_ff=64, vocab_size=min(vocab, 1024))
         lv = dict(levers)
         hp = lv.pop("head_positions", "all")
-        r = measure_training(preset, steps=1 if smoke else 7, accum=2 if smoke else 8, head_positions=hp,
-                             **kw, **lv)
+        r = in_fresh_process("fractus.bench.train:measure_training", preset=preset, steps=1 if smoke else 7,
+                             accum=2 if smoke else 8, head_positions=hp, **kw, **lv)
         r.update(detach_kuramoto=bool(lv.get("detach_kuramoto")), target_tok_s=target,
                  meets_target=None if target is None else r["tok_s"] >= target,
                  matmul_gflops=cpu_ceilings(n=512 if smoke else 1024)["matmul_flops"] / 1e9)
