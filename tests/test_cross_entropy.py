@@ -140,3 +140,15 @@ def test_grad_only_for_h(path):
     for x, r, what in zip(out[:3], ref[:3], ("loss", "per-token ce", "dH")):
         assert torch.isfinite(x).all()
         assert_rel(x, r, TOL, f"{path} {what}")
+
+
+def test_torch_path_no_grad_skips_gradients(monkeypatch):
+    """Under no_grad (evaluation) the CPU path computes the loss only: no dH/dW matmuls."""
+    h, w, t = _inputs(37, 127, 48)
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append(1) or real_mm(*a, **k))
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, t, backend="torch")
+    assert len(calls) == 1  # the logits only
+    assert_rel(loss, linear_cross_entropy_reference(h, w, t).detach(), TOL, "no-grad loss")

@@ -153,6 +153,39 @@ def cuda_peak_bytes(fn: Callable[[], object]) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value), as in tests/util.py."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_rows(kernel: str, dtype: torch.dtype, names, got, truth, same=None, margin: float = 0.0,
+               margins: dict | None = None, truth_name: str = "fp32 reference") -> list[dict]:
+    """Correctness-table rows for one kernel call, one per output. fp32 (``same`` None):
+    rel_err vs the truth < 1e-4. Low precision: rel_err ≤ that of the same-dtype PyTorch path
+    + ``margin`` (``margins[name]`` where given)."""
+    rows = []
+    for name, g, t, s in zip(names, got, truth, same if same is not None else [None] * len(got)):
+        e = rel_err(g, t)
+        if s is None:
+            tol, check = 1e-4, f"{name} vs {truth_name}"
+        else:
+            tol = rel_err(s, t) + (margins or {}).get(name, margin)
+            check = f"{name} vs {truth_name} (<= same-dtype torch path err + margin)"
+        rows.append(dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""), check=check, rel_err=e,
+                         tol=tol, passed=e <= tol))
+    return rows
+
+
+def error_row(kernel: str, dtype: torch.dtype, exc: Exception) -> dict:
+    """A failed row of the correctness table: the exception recorded, not raised."""
+    return dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""),
+                check=f"error: {type(exc).__name__}: {exc}"[:300], rel_err=float("nan"), tol=float("nan"),
+                passed=False)
+
+
 def write_csv(path: str | Path, rows: Iterable[dict], device: torch.device | str = "cpu") -> Path:
     """Write ``rows`` with provenance columns appended to each; returns the path."""
     rows = list(rows)

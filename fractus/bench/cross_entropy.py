@@ -161,14 +161,6 @@ def _lowp_torch(h, w, t, **kw):
     return loss, ce.detach()
 
 
-def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value), as in tests/util.py."""
-    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def correctness_rows(device, smoke: bool = False) -> list[dict]:
     """Triton vs the fp32 reference: loss, per-token ce, dH, dW; fp32 and low precision.
 
@@ -190,7 +182,6 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     for opt, kw in options.items():
         kw = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in kw.items()}
         for dtype in (torch.float32, lowp):
-            dname = str(dtype).replace("torch.", "")
             kernel = f"linear_cross_entropy[{opt}]"
             try:
                 h, w, t = make_case(**case, dtype=dtype, device=device, ignore_every=7)
@@ -208,29 +199,8 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
                 truth = run(lambda *a, **k: linear_cross_entropy_reference(*a, return_per_token=True,
                                                                            **k), h32, w32)
                 same = run(_lowp_torch, h, w) if dtype != torch.float32 else None
-                for i, name in enumerate(names):
-                    e = _rel_err(got[i], truth[i])
-                    if same is None:
-                        tol, check = 1e-4, f"{name} vs fp32 reference"
-                    else:
-                        tol = _rel_err(same[i], truth[i]) + (5e-3 if dtype == torch.bfloat16 else 2e-3)
-                        check = f"{name} vs fp32 truth (<= same-dtype torch err + margin)"
-                    rows.append(dict(kernel=kernel, dtype=dname, check=check, rel_err=e, tol=tol,
-                                     passed=e <= tol))
+                rows += common.check_rows(kernel, dtype, names, got, truth, same,
+                                          margin=5e-3 if dtype == torch.bfloat16 else 2e-3)
             except Exception as exc:  # recorded, not raised
-                rows.append(dict(kernel=kernel, dtype=dname, check=f"error: {type(exc).__name__}: {exc}",
-                                 rel_err=float("nan"), tol=float("nan"), passed=False))
+                rows.append(common.error_row(kernel, dtype, exc))
     return rows
-
-
-def main() -> None:
-    rows = cpu_rows(smoke=common.SMOKE)
-    path = common.write_csv("results/cross_entropy_cpu.csv", rows, "cpu")
-    for r in rows:
-        print({k: r.get(k) for k in ("impl", "tokens", "time_s", "peak_rss_bytes", "time_vs_naive",
-                                     "mem_vs_naive", "target_met")})
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()

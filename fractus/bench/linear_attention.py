@@ -267,13 +267,6 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- correctness
-def _rel_err(x, ref):
-    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 NAMES = ("o", "S", "z", "dq", "dk", "dv", "dw", "dS0", "dz0")
 
 
@@ -311,7 +304,6 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     rows = []
     for kind, shape, grad in cases:
         for dtype in (torch.float32, lowp):
-            dname = str(dtype).replace("torch.", "")
             kernel = f"linear_attention[{kind} T={shape['T']} D={shape['D']}]"
             try:
                 inputs = make_inputs(**shape, levels=2, decay=True, state=True, dtype=dtype,
@@ -320,29 +312,8 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
                 truth = _outputs("reference", inputs, torch.float64, grad)
                 same = _outputs("torch", inputs, dtype, grad) if dtype != torch.float32 else None
                 margin = 1e-2 if dtype == torch.bfloat16 else 1e-3
-                for i, name in enumerate(NAMES[:len(got)]):
-                    e = _rel_err(got[i], truth[i])
-                    if same is None:
-                        tol, check = 1e-4, f"{name} vs fp64 reference"
-                    else:
-                        tol = _rel_err(same[i], truth[i]) + margin * (3 if name == "dw" else 1)
-                        check = f"{name} vs fp64 truth (<= same-dtype torch path err + margin)"
-                    rows.append(dict(kernel=kernel, dtype=dname, check=check, rel_err=e, tol=tol,
-                                     passed=e <= tol))
+                rows += common.check_rows(kernel, dtype, NAMES[:len(got)], got, truth, same, margin,
+                                          margins={"dw": 3 * margin}, truth_name="fp64 reference")
             except Exception as exc:  # recorded, not raised
-                rows.append(dict(kernel=kernel, dtype=dname, check=f"error: {type(exc).__name__}: {exc}"[:300],
-                                 rel_err=float("nan"), tol=float("nan"), passed=False))
+                rows.append(common.error_row(kernel, dtype, exc))
     return rows
-
-
-def main() -> None:
-    rows = cpu_rows(smoke=common.SMOKE)
-    path = common.write_csv("results/linear_attention_cpu.csv", rows, "cpu")
-    for r in rows:
-        print({k: r.get(k) for k in ("case", "impl", "T", "time_s", "peak_rss_bytes", "speedup_vs_baseline",
-                                     "mem_vs_baseline", "time_ratio_vs_baseline", "target_met")})
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()

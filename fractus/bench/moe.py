@@ -64,14 +64,6 @@ def moe_expert_loop(x, idx, w, ex):
     return y
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value), as in tests/util.py."""
-    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def _params(x, w, ex):
     return [x, w, *ex.values()]
 
@@ -214,11 +206,9 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     for lowrank in (True, False):
         kernel = "moe_lowrank" if lowrank else "moe_dense"
         for dtype in (torch.float32, lowp):
-            dname = str(dtype).replace("torch.", "")
             try:
                 x, idx, w, ex = make_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device)
                 dy = torch.randn(N, dims["d"], generator=torch.Generator().manual_seed(1)).to(device, dtype)
-                names = ["y", "dx", "dw", *ex]
 
                 def run(fn, x, w, ex, dy):
                     y = fn(x, idx, w, ex)
@@ -229,28 +219,8 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
                 x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
                 truth = run(moe_reference, x32, w32, up, dy.float())
                 same = run(_impl("torch"), x, w, ex, dy) if dtype != torch.float32 else None
-                for i, name in enumerate(names):
-                    e = rel_err(got[i], truth[i])
-                    if same is None:
-                        tol, check = 1e-4, f"{name} vs fp32 reference"
-                    else:
-                        tol = rel_err(same[i], truth[i]) + (5e-3 if dtype == torch.bfloat16 else 2e-3)
-                        check = f"{name} vs fp32 truth (<= same-dtype torch err + margin)"
-                    rows.append(dict(kernel=kernel, dtype=dname, check=check, rel_err=e, tol=tol,
-                                     passed=e <= tol))
+                rows += common.check_rows(kernel, dtype, ["y", "dx", "dw", *ex], got, truth, same,
+                                          margin=5e-3 if dtype == torch.bfloat16 else 2e-3)
             except Exception as exc:  # recorded, not raised
-                rows.append(dict(kernel=kernel, dtype=dname, check=f"error: {type(exc).__name__}: {exc}",
-                                 rel_err=float("nan"), tol=float("nan"), passed=False))
+                rows.append(common.error_row(kernel, dtype, exc))
     return rows
-
-
-def main() -> None:
-    rows = cpu_rows(smoke=common.SMOKE)
-    path = common.write_csv("results/moe_cpu.csv", rows, "cpu")
-    for r_ in rows:
-        print({k: r_[k] for k in ("impl", "tokens", "time_s", "speedup_vs_gather", "peak_rss_bytes")})
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()

@@ -106,8 +106,8 @@ class _ChunkedLCE(torch.autograd.Function):
     matmuls run at full speed. Backward only scales the stored grads by grad_output, in place."""
 
     @staticmethod
-    def forward(ctx, h, weight, t, positions, ignore_index, reduction, z_loss, softcap):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, h, weight, t, positions, ignore_index, reduction, z_loss, softcap, grad_enabled):
+        need_h, need_w = (grad_enabled and n for n in ctx.needs_input_grad[:2])  # none under no_grad
         N, d = h.shape
         V = weight.shape[0]
         M = t.shape[0]
@@ -178,7 +178,7 @@ class _ChunkedLCE(torch.autograd.Function):
         if g != 1.0:
             dH = dH.mul_(g) if dH is not None else None
             dW = dW.mul_(g) if dW is not None else None
-        return dH, dW, None, None, None, None, None, None
+        return dH, dW, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,6 +471,9 @@ def linear_cross_entropy(h, weight, targets, *, ignore_index=-100, reduction="me
         return linear_cross_entropy_reference(h, weight, targets, **kw)
     _check(h, weight, targets, positions, reduction, softcap)
     t = _scored_targets(targets, positions, ignore_index, weight.shape[0])
-    fn = _TritonLCE if path == "triton" else _ChunkedLCE
-    loss, ce = fn.apply(h, weight, t, positions, ignore_index, reduction, float(z_loss), softcap)
+    args = (h, weight, t, positions, ignore_index, reduction, float(z_loss), softcap)
+    if path == "triton":
+        loss, ce = _TritonLCE.apply(*args)
+    else:
+        loss, ce = _ChunkedLCE.apply(*args, torch.is_grad_enabled())
     return (loss, ce) if return_per_token else loss
