@@ -7,14 +7,16 @@ from fractus.bench.gpu import KERNELS, run_suite
 def test_gpu_suite_dry_run(tmp_path):
     tables = run_suite(tmp_path, dry_run=True)
     assert tables["failures"].empty, tables["failures"].to_dict("records")
-    for name in ["ceilings", "train_throughput", "generation", "levers", "profile"] + [f"{s}_{k}" for k in KERNELS
-                                                                  for s in ("correctness", "timing")]:
+    for name in ["ceilings", "train_throughput", "generation", "levers", "profile"] + [
+            f"{s}_{k}" for k in (*KERNELS, "kuramoto") for s in ("correctness", "timing")]:
         df = pd.read_csv(tmp_path / f"{name}.csv")
         assert len(df) and {"git_sha", "device", "torch", "triton", "date"} <= set(df.columns), name
     for k in KERNELS:
         checks = pd.read_csv(tmp_path / f"correctness_{k}.csv")
         assert checks["passed"].all(), checks[~checks["passed"]].to_dict("records")
         assert "float32" in set(checks["dtype"]) and checks["dtype"].nunique() >= 2, k
+    clock = pd.read_csv(tmp_path / "correctness_kuramoto.csv")
+    assert clock["passed"].all() and len(clock) == 5, clock.to_dict("records")
     train = pd.read_csv(tmp_path / "train_throughput.csv")
     assert (train["tok_s"] > 0).all() and (train["mfu"] > 0).all()
     assert (tmp_path / "provenance.json").exists()

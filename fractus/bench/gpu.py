@@ -1,7 +1,8 @@
 """The GPU suite: ``python -m fractus.bench gpu --out results/gpu`` (one command, < 8 min on an H200).
 
 1. provenance and the device's ceilings (device-to-device copy GB/s, large bf16 matmul TFLOP/s);
-2. every Triton kernel compiled for real and checked against its reference in fp32 and bf16;
+2. every Triton kernel compiled for real and checked against its reference in fp32 and bf16
+   (and the fused Kuramoto clock against plain autograd);
 3. each kernel timed against its baselines (fla / Liger side by side when installed);
 4. end-to-end bf16 training throughput, peak memory and MFU per preset over a batch sweep,
    tick-by-tick generation tokens/s, the lever stack and the profiler breakdown (notebooks 01, 02);
@@ -22,7 +23,7 @@ import pandas as pd
 import torch
 
 from fractus.bench import levers, profile
-from fractus.bench.common import median_time, provenance, write_csv
+from fractus.bench.common import check_rows, median_time, provenance, write_csv
 from fractus.bench.costmodel import flops_per_token
 from fractus.bench.train import measure_training
 from fractus.model import FractusConfig, FractusCTE
@@ -73,6 +74,34 @@ def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[
                 torch.cuda.empty_cache()
                 break
     return rows
+
+
+def _kuramoto_case(device: torch.device, dry_run: bool):
+    """θ⁰ [M, N], ω, U, λ (leaves on the device) and an upstream gradient for ψ [M], fp32."""
+    M, N, r = (37, 8, 4) if dry_run else (1 << 17, 16, 8)  # 1b: 16 oscillators, rank 8
+    g = torch.Generator().manual_seed(0)
+    args = [3 * torch.randn(M, N, generator=g), 0.3 * torch.randn(N, generator=g),
+            torch.randn(N, r, generator=g) / N ** 0.5, 0.5 + torch.rand(r, generator=g)]
+    return [a.to(device).requires_grad_() for a in args], torch.randn(M, generator=g).to(device)
+
+
+def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dict]:
+    """The fused clock (hand-written RK4 backward) vs plain autograd on the device, fp32:
+    ψ and every gradient (``timing``: forward+backward times of both instead)."""
+    from fractus.kernels.kuramoto import kuramoto_phase, kuramoto_phase_reference
+    args, dy = _kuramoto_case(device, dry_run)
+    fns = {"fused": kuramoto_phase, "reference": kuramoto_phase_reference}
+
+    def run(fn):
+        psi = fn(*args, 0.1, 2, 0.1)
+        return (psi, *torch.autograd.grad(psi, args, dy))
+    if not timing:
+        return check_rows("kuramoto_phase[fused]", torch.float32, ("psi", "dtheta", "domega", "dU", "dlambda"),
+                          run(fns["fused"]), run(fns["reference"]), truth_name="plain autograd")
+    times = {k: median_time(lambda fn=fn: run(fn), device=device) for k, fn in fns.items()}
+    return [{"kernel": "kuramoto_phase", "impl": k, "tokens": args[0].shape[0], "oscillators": args[0].shape[1],
+             "mode": "fwd+bwd", "time_s": t, "speedup_vs_reference": times["reference"] / t}
+            for k, t in times.items()]
 
 
 def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
@@ -128,9 +157,11 @@ def run_suite(out: Path, dry_run: bool = False) -> dict[str, pd.DataFrame]:
     for k in KERNELS:
         mod = importlib.import_module(f"fractus.bench.{k}")
         stage(f"correctness_{k}", lambda mod=mod: mod.correctness_rows(device, smoke=dry_run))
+    stage("correctness_kuramoto", lambda: kuramoto_rows(device, dry_run, timing=False))
     for k in KERNELS:
         mod = importlib.import_module(f"fractus.bench.{k}")
         stage(f"timing_{k}", lambda mod=mod: mod.gpu_rows(smoke=dry_run))
+    stage("timing_kuramoto", lambda: kuramoto_rows(device, dry_run, timing=True))
     peak = H200_BF16_DENSE_TFLOPS if not dry_run else max(ceil.get("matmul_tflops", 1e-3), 1e-3)
     stage("train_throughput", lambda: train_rows(device, dry_run, peak))
     stage("generation", lambda: generation_rows(device, dry_run))
