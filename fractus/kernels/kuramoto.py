@@ -68,6 +68,9 @@ def _integrate(theta, omega, K, dt, steps, damping, keep):
 
 
 class _KuramotoFn(torch.autograd.Function):
+    """θ⁰, ω, U, λ → ψ. Forward saves each stage's (sin, cos, K·sin, K·cos) [M, N]; backward
+    runs the RK4 steps in reverse with the rate's vector-Jacobian product."""
+
     @staticmethod
     def forward(ctx, theta0, omega, U, lam, dt, steps, damping):
         K = (U * lam) @ U.T
