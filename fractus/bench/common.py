@@ -93,12 +93,43 @@ def _high_water_rss() -> int:
     raise RuntimeError("VmHWM not found in /proc/self/status (Linux only)")
 
 
-def _peak_child(target: str, kwargs: dict, q) -> None:
+def _resolve(target: str):
+    """``"module:function"`` → the function."""
     mod, name = target.split(":")
-    thunk = getattr(importlib.import_module(mod), name)(**kwargs)
+    return getattr(importlib.import_module(mod), name)
+
+
+def _peak_child(target: str, kwargs: dict) -> int:
+    thunk = _resolve(target)(**kwargs)
     base = _high_water_rss()
     thunk()
-    q.put(_high_water_rss() - base)
+    return _high_water_rss() - base
+
+
+def _fresh_child(target: str, kwargs: dict):
+    from fractus.allocator import keep_freed_memory
+    keep_freed_memory()
+    return _resolve(target)(**kwargs)
+
+
+def _child(child, target: str, kwargs: dict, q) -> None:
+    try:
+        q.put(("ok", child(target, kwargs)))
+    except Exception as e:  # the parent re-raises it with the child's message
+        q.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _spawned(child, target: str, kwargs: dict):
+    """``child(target, kwargs)`` in a new Python process (spawned: nothing inherited)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(child, target, kwargs, q))
+    p.start()
+    status, out = q.get(timeout=3600)
+    p.join()
+    if status != "ok":
+        raise RuntimeError(f"{target} failed in its process: {out}")
+    return out
 
 
 def cpu_peak_bytes(target: str, **kwargs) -> int:
@@ -107,23 +138,7 @@ def cpu_peak_bytes(target: str, **kwargs) -> int:
     ``target`` is ``"module:function"``; ``function(**kwargs)`` allocates the inputs and
     returns a thunk; the result is the rise of the process's high-water RSS during the thunk.
     """
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_peak_child, args=(target, kwargs, q))
-    p.start()
-    out = q.get(timeout=1800)
-    p.join()
-    return int(out)
-
-
-def _fresh_child(target: str, kwargs: dict, q) -> None:
-    from fractus.allocator import keep_freed_memory
-    keep_freed_memory()
-    mod, name = target.split(":")
-    try:
-        q.put(("ok", getattr(importlib.import_module(mod), name)(**kwargs)))
-    except Exception as e:  # the parent re-raises it with the child's message
-        q.put(("error", f"{type(e).__name__}: {e}"))
+    return int(_spawned(_peak_child, target, kwargs))
 
 
 def in_fresh_process(target: str, **kwargs):
@@ -132,15 +147,7 @@ def in_fresh_process(target: str, **kwargs):
     As a training run would: nothing left by earlier measurements (a big model's freed heap
     slows a small model's many small allocations by up to 25 % on the 2-core machine) and
     glibc's thresholds set as the trainer sets them (:mod:`fractus.allocator`)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_fresh_child, args=(target, kwargs, q))
-    p.start()
-    status, out = q.get(timeout=3600)
-    p.join()
-    if status != "ok":
-        raise RuntimeError(f"{target} failed in its process: {out}")
-    return out
+    return _spawned(_fresh_child, target, kwargs)
 
 
 def cuda_peak_bytes(fn: Callable[[], object]) -> int:
