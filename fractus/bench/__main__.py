@@ -1,19 +1,23 @@
-"""``python -m fractus.bench cpu --out results`` · ``python -m fractus.bench gpu --out results/gpu``.
+"""``python -m fractus.bench cpu|aot|gpu``.
 
 ``cpu`` measures training throughput and each op's PyTorch path against its baseline and
-writes ``results/*_cpu.csv``. ``gpu`` is the GPU suite (:mod:`fractus.bench.gpu`);
-``--dry-run`` runs its code paths on CPU at tiny sizes.
+writes ``results/*_cpu.csv``. ``aot`` compiles every Triton kernel for sm_90 (H100/H200)
+without a GPU and writes ``results/aot_sm90.csv`` (:mod:`fractus.bench.aot`). ``gpu`` is the
+GPU suite (:mod:`fractus.bench.gpu`); ``--dry-run`` runs its code paths on CPU at tiny sizes.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
 
 from fractus.allocator import keep_freed_memory
+from fractus.bench import aot
 from fractus.bench.common import SMOKE, write_csv
 
 SUBJECTS = ("train", "linear_attention", "moe", "cross_entropy")
@@ -28,6 +32,25 @@ def run_cpu(out: Path, smoke: bool, only: list[str]) -> None:
         print(pd.DataFrame(rows).drop(columns=[], errors="ignore").to_string(index=False, max_colwidth=28))
 
 
+def run_aot(out: Path, arch: int, quick: bool) -> int:
+    """Compile every kernel for sm_``arch`` in a fresh Triton cache (cold compile times);
+    returns 1 if one failed to compile or needs more shared memory than a block may have."""
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        rows = aot.compile_rows(arch, all_configs=not quick)
+    path = write_csv(out / f"aot_sm{arch}.csv", rows)
+    t = pd.DataFrame(rows)
+    bad = t[~t["compiled"] | ~t["fits_shared"].fillna(False).astype(bool)]
+    print(f"\n== {len(t)} kernels compiled for sm_{arch} in {t['compile_s'].sum():.0f} s → {path}")
+    print(t.groupby(["op", "kernel", "dtype"]).agg(configs=("num_warps", "size"),
+                                                   spill_min=("spill_store_bytes", "min"),
+                                                   spill_max=("spill_store_bytes", "max"),
+                                                   smem_max=("shared_bytes", "max"),
+                                                   compile_s=("compile_s", "sum")).to_string())
+    print(f"failed or over the shared-memory limit: {len(bad)}")
+    return 1 if len(bad) else 0
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.bench")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -35,6 +58,10 @@ def main(argv=None) -> None:
     c.add_argument("--out", default="results")
     c.add_argument("--smoke", action="store_true", default=SMOKE, help="tiny sizes (FRACTUS_SMOKE=1)")
     c.add_argument("--only", nargs="*", default=list(SUBJECTS), choices=SUBJECTS)
+    t = sub.add_parser("aot", help="compile every Triton kernel for an NVIDIA target, no GPU → OUT/aot_smARCH.csv")
+    t.add_argument("--out", default="results")
+    t.add_argument("--arch", type=int, default=90, choices=sorted(aot.SHARED_LIMIT))
+    t.add_argument("--quick", action="store_true", help="the first autotune config of each kernel only")
     g = sub.add_parser("gpu", help="the GPU suite → OUT/*.csv")
     g.add_argument("--out", default="results/gpu")
     g.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, Triton interpreter")
@@ -42,6 +69,12 @@ def main(argv=None) -> None:
     keep_freed_memory()
     if a.cmd == "cpu":
         run_cpu(Path(a.out), a.smoke, a.only)
+    elif a.cmd == "aot":
+        try:
+            aot.check_environment()
+        except RuntimeError as e:
+            ap.error(str(e))
+        sys.exit(run_aot(Path(a.out), a.arch, a.quick))
     else:
         if a.dry_run:  # the kernels run in Triton's interpreter; set before triton is imported
             os.environ["TRITON_INTERPRET"] = "1"

@@ -347,13 +347,16 @@ def _dot_prec(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+_H200_SMS = 132  # streaming multiprocessors assumed when compiling ahead of time without a GPU
+
+
 def _config(h: torch.Tensor, V: int) -> dict:
     """Tile sizes: interpreter tiles are small so tests span several tiles; GPU tiles by dtype.
     programs: grid size worth filling; slab_tiles: vocab tiles per dW launch (one wave)."""
-    if not h.is_cuda:
+    if _backend.interpreting():
         return dict(BLOCK_M=16, BLOCK_V=32 if V <= 4096 else 128, BLOCK_K=32, BLOCK_D=32,
                     num_warps=4, num_stages=1, programs=2, slab_tiles=4)
-    sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else _H200_SMS
     if h.dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32, BLOCK_D=64, num_warps=4, num_stages=2,
                     programs=2 * sms, slab_tiles=sms)

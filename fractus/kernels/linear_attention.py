@@ -165,11 +165,17 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
 _DECODE_MAX_T = 16
 
 
-def _configs(warps):
-    """Autotune configs (a single one in the interpreter)."""
+def _configs():
+    """Autotune configs of the two sequential (chunk-loop) kernels; a single one in the interpreter."""
     if _backend.interpreting():
         return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in warps for s in (1, 2)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
+
+
+# The parallel kernels have no loop to pipeline and hold many [BT, BD] fp32 tiles: compiled ahead
+# of time for sm_90 (python -m fractus.bench aot), 4 warps spill registers in bf16 and fp32 and
+# 8 warps do not in bf16 (backward chunks of 32), so they launch with 8 warps and no autotuning.
+_PARALLEL_WARPS = 8
 
 
 @triton.jit
@@ -179,7 +185,7 @@ def _feature(x, om, mask):
     return tl.where(mask, tl.where(u > 0, u + 1.0, tl.exp(u)), 0.0)
 
 
-@triton.autotune(configs=_configs((4, 8)), key=["BT", "BD"])
+@triton.autotune(configs=_configs(), key=["BT", "BD"])
 @triton.jit
 def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_ptr, sf_ptr, zf_ptr,
                       T, H, D, NC, LV: tl.constexpr,
@@ -225,7 +231,6 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_pt
         tl.store(zf_ptr + n * D + rd, z, mask=dmask)
 
 
-@triton.autotune(configs=_configs((4, 8)), key=["BT", "BD"])
 @triton.jit
 def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_ptr, y_ptr, den_ptr,
                    B, T, H, D, NC, eps, LV: tl.constexpr,
@@ -284,7 +289,7 @@ def _out_grads(do, y, den, wl, eps):
     return do * inv[:, None], -tl.sum(do * y, 1) * inv
 
 
-@triton.autotune(configs=_configs((4, 8)), key=["BT", "BD"])
+@triton.autotune(configs=_configs(), key=["BT", "BD"])
 @triton.jit
 def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, dsf_ptr, dzf_ptr,
                           dhs_ptr, dzs_ptr, ds0_ptr, dz0_ptr, B, T, H, D, NC, eps,
@@ -336,7 +341,6 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
         tl.store(dz0_ptr + n * D + rd, dz, mask=dmask)
 
 
-@triton.autotune(configs=_configs((8, 4)), key=["BT", "BD"])
 @triton.jit
 def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr,
                          hs_ptr, zs_ptr, dhs_ptr, dzs_ptr, dq_ptr, dk_ptr, dv_ptr, dwp_ptr,
@@ -455,8 +459,12 @@ def _block_d(D):
     return max(16, triton.next_power_of_2(D))
 
 
-def _chunk_len(T):
-    return min(64, max(16, triton.next_power_of_2(T)))
+_FWD_CHUNK, _BWD_CHUNK = 64, 32
+
+
+def _chunk_len(T, most):
+    """Chunk length: ``most`` (a power of two ≥ 16), or less for short sequences."""
+    return min(most, max(16, triton.next_power_of_2(T)))
 
 
 def _prec(x):
@@ -475,11 +483,11 @@ def _const(values, device):
     return t
 
 
-def _states(k, v, om, g, S0, z0, store_final):
-    """Chunk-start states ([B, Lv, H, NC, D, D], [.., D]) and, if asked, the final (S, z)."""
+def _states(k, v, om, g, S0, z0, store_final, BT):
+    """Chunk-start states ([B, Lv, H, NC, D, D], [.., D]) for chunks of BT and, if asked, the final (S, z)."""
     B, T, H, D = k.shape
     Lv = om.numel()
-    BT, BD = _chunk_len(T), _block_d(D)
+    BD = _block_d(D)
     NC = triton.cdiv(T, BT)
     dev = k.device
     hs = _backend.empty(B, Lv, H, NC, D, D, dtype=torch.float32, device=dev)
@@ -502,15 +510,15 @@ class _TritonLinearAttention(torch.autograd.Function):
         B, T, H, D = q.shape
         Lv = om.numel()
         need = any(ctx.needs_input_grad[:6])
-        hs, zs, sf, zf = _states(k, v, om, g, S0, z0, True)
-        BT, BD = _chunk_len(T), _block_d(D)
+        BT, BD = _chunk_len(T, _FWD_CHUNK), _block_d(D)
+        hs, zs, sf, zf = _states(k, v, om, g, S0, z0, True, BT)
         NC = triton.cdiv(T, BT)
         o = _backend.empty(B, T, H, D, dtype=q.dtype, device=q.device)
         y = _backend.empty(Lv, B, T, H, D, dtype=torch.float32, device=q.device) if need else o
         den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need else hs
         _la_out_kernel[(NC, B * H)](
             q, k, v, w, om, g, hs, zs, o, y, den, B, T, H, D, NC, eps,
-            LV=Lv, STORE_Y=need, PREC=_prec(v), BT=BT, BD=BD)
+            LV=Lv, STORE_Y=need, PREC=_prec(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
         if need:
             ctx.save_for_backward(q, k, v, w, S0, z0, om, g, y, den)
             ctx.eps = eps
@@ -523,7 +531,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         eps = ctx.eps
         B, T, H, D = q.shape
         Lv = om.numel()
-        BT, BD = _chunk_len(T), _block_d(D)
+        BT, BD = _chunk_len(T, _BWD_CHUNK), _block_d(D)
         NC = triton.cdiv(T, BT)
         dev = q.device
         do = torch.zeros_like(q) if do is None else do.contiguous()
@@ -531,7 +539,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         if has_df:
             dsf = torch.zeros(B, Lv, H, D, D, device=dev) if dsf is None else dsf.float().contiguous()
             dzf = torch.zeros(B, Lv, H, D, device=dev) if dzf is None else dzf.float().contiguous()
-        hs, zs, _, _ = _states(k, v, om, g, S0, z0, False)
+        hs, zs, _, _ = _states(k, v, om, g, S0, z0, False, BT)
         dhs = _backend.empty(B, Lv, H, NC, D, D, dtype=torch.float32, device=dev)
         dzs = _backend.empty(B, Lv, H, NC, D, dtype=torch.float32, device=dev)
         dinit = S0 is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
@@ -547,7 +555,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         dwp = _backend.empty(B * H, NC, Lv, dtype=torch.float32, device=dev)
         _la_bwd_grads_kernel[(NC, B * H)](
             q, k, v, do, y, den, w, om, g, hs, zs, dhs, dzs, dq, dk, dv, dwp, B, T, H, D, NC, eps,
-            LV=Lv, PREC=_prec(v), BT=BT, BD=BD)
+            LV=Lv, PREC=_prec(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
         dw = dwp.sum((0, 1)).to(w.dtype)
         if not dinit:
             ds0 = dz0 = None

@@ -99,14 +99,15 @@ def _block_m() -> int:
 
 def _configs(names: tuple[str, ...], gpu: tuple[tuple[int, ...], ...]) -> list:
     """Autotune configs: ``gpu`` rows are (*block sizes, num_warps, num_stages); a single
-    config in the interpreter. The fused kernels hold several [BM, R] fp32 tiles: their
-    8-warp configs compile for sm_90 (bf16, r = 64) without register spills."""
+    config in the interpreter. The fused kernels hold several [BM, R] fp32 tiles: compiled ahead
+    of time for sm_90 (python -m fractus.bench aot), their 8-warp configs do not spill registers
+    in bf16 (r = 64) and a 4-warp one does, so they have none."""
     if _backend.interpreting():
         return [triton.Config(dict(zip(names, (32, 16))), num_warps=1)]
     return [triton.Config(dict(zip(names, blocks)), num_warps=w, num_stages=s) for *blocks, w, s in gpu]
 
 
-_FUSED_CFG = ((64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 8, 3))
+_FUSED_CFG = ((64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 8, 3))
 _GMM_CFG = ((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3))
 
 

@@ -1,0 +1,252 @@
+"""Every Triton kernel compiled ahead of time for an NVIDIA GPU, on a machine without one.
+
+``python -m fractus.bench aot --out results`` runs the Triton path of each op on CPU tensors with
+the kernel launches captured instead of executed, then compiles every captured launch, for every
+autotune config, for the target (sm_90: H100/H200) with Triton's own compiler and bundled
+``ptxas``: the same source, specialisation and options a GPU run would compile. Each row says
+whether it compiled and what the compiled kernel needs: registers per thread, spill bytes,
+shared memory (against the target's per-block limit). The interpreter accepts programs a GPU
+compiler rejects; this catches those before any GPU time is spent. It does not run anything:
+correctness and speed still need the device (``python -m fractus.bench gpu``).
+
+Run it with ``TRITON_INTERPRET`` unset (the CLI checks): the kernels must be real JIT functions.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SHARED_LIMIT = {90: 232448}  # bytes of shared memory one block may use (sm_90: 227 KiB)
+
+
+@dataclass
+class Launch:
+    """One captured kernel launch: the kernel object (Autotuner or JITFunction) and its arguments;
+    ``dtype`` is the op's input dtype."""
+    op: str
+    dtype: str
+    name: str
+    kernel: object
+    grid: object
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+
+def _offline_driver(arch: int):
+    """A Triton driver that reports ``arch`` as the current target and cannot launch."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class OfflineDriver(DriverBase):
+        def __init__(self):
+            pass
+
+        def is_active(self):
+            return True
+
+        def map_python_to_cpp_type(self, ty):
+            return ty
+
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_benchmarker(self):
+            raise RuntimeError("compiling ahead of time: nothing can be launched")
+
+    return OfflineDriver()
+
+
+@contextmanager
+def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
+    """Replace every Triton kernel of ``module`` by a recorder of its launches (nothing runs:
+    outputs stay as allocated)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(
+                Launch(op, str(dtype).replace("torch.", ""), self.name, self.kernel, grid, args, kwargs))
+
+    kernels = {n: k for n, k in vars(module).items()
+               if isinstance(k, (Autotuner, JITFunction)) and n.endswith("_kernel")}
+    try:
+        for n, k in kernels.items():
+            setattr(module, n, Recorder(n, k))
+        yield
+    finally:
+        for n, k in kernels.items():
+            setattr(module, n, k)
+
+
+def _rand(*shape, dtype, requires_grad=True):
+    return torch.randn(*shape).to(dtype).requires_grad_(requires_grad)
+
+
+def _run_linear_attention(dtype):
+    from fractus.kernels import linear_attention as la
+    B, H, D, Lv = 2, 8, 64, 2
+    for T, state, decay in ((2048, False, False), (100, True, True)):
+        q, k, v = (_rand(B, T, H, D, dtype=dtype) for _ in range(3))
+        w = torch.ones(Lv, requires_grad=True)
+        st = (_rand(B, Lv, H, D, D, dtype=torch.float32), _rand(B, Lv, H, D, dtype=torch.float32)) if state else None
+        g = torch.full((H,), 0.9) if decay else None
+        o, (S, z) = la._linear_attention_triton(q, k, v, w, [0.0, 1.0], g, st, 1e-6)
+        (o.float().sum() + S.sum() + z.sum()).backward()
+    with torch.no_grad():  # decode: one token and a short prefix, with a carried state
+        for T in (1, 5):
+            q, k, v = (_rand(B, T, H, D, dtype=dtype, requires_grad=False) for _ in range(3))
+            st = (torch.zeros(B, Lv, H, D, D), torch.zeros(B, Lv, H, D))
+            la._linear_attention_triton(q, k, v, torch.ones(Lv), [0.0, 1.0], None, st, 1e-6)
+
+
+def _run_moe(dtype):
+    from fractus.kernels import moe
+    N, K = 300, 2
+    for lowrank, d, E, F, r in ((True, 1280, 16, 2048, 64), (False, 512, 8, 512, 0)):
+        x = _rand(N, d, dtype=dtype)
+        idx = torch.randint(0, E, (N, K))
+        w = torch.rand(N, K, requires_grad=True)
+        if lowrank:
+            ex = dict(V1=_rand(E, d, r, dtype=dtype), U1=_rand(E, F, r, dtype=dtype), b1=_rand(E, F, dtype=dtype),
+                      s1=_rand(E, dtype=dtype), V2=_rand(E, F, r, dtype=dtype), U2=_rand(E, d, r, dtype=dtype),
+                      b2=_rand(E, d, dtype=dtype), s2=_rand(E, dtype=dtype))
+        else:
+            ex = dict(W1=_rand(E, d, F, dtype=dtype), b1=_rand(E, F, dtype=dtype),
+                      W2=_rand(E, F, d, dtype=dtype), b2=_rand(E, d, dtype=dtype))
+        moe.moe_triton(x, idx, w, ex).float().sum().backward()
+
+
+def _run_cross_entropy(dtype):
+    from fractus.kernels import cross_entropy as ce
+    N, d, V = 300, 1280, 50257
+    for positions, softcap in ((None, None), (torch.arange(0, N, 7), 30.0)):
+        h, W = _rand(N, d, dtype=dtype), _rand(V, d, dtype=dtype)
+        t = torch.randint(0, V, (N,))
+        ce.linear_cross_entropy(h, W, t, positions=positions, softcap=softcap, z_loss=1e-4,
+                                backend="triton").backward()
+
+
+OPS = {"linear_attention": _run_linear_attention, "moe": _run_moe, "cross_entropy": _run_cross_entropy}
+
+
+def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16)) -> list[Launch]:
+    """Run each op's Triton path forward and backward on CPU with launches captured."""
+    import importlib
+    from fractus.kernels import backend
+    out: list[Launch] = []
+    for op in ops:
+        module = importlib.import_module(f"fractus.kernels.{op}")
+        for dtype in dtypes:
+            with capture(module, op, dtype, out), _triton_on_cpu(backend):
+                OPS[op](dtype)
+    return out
+
+
+@contextmanager
+def _triton_on_cpu(backend):
+    """Let the public functions pick their Triton path for CPU tensors (nothing is launched)."""
+    pick = backend.pick
+    backend.pick = lambda name, x: pick(name, x) if name != "triton" else "triton"
+    try:
+        yield
+    finally:
+        backend.pick = pick
+
+
+def _resources(kernel, arch: int) -> dict:
+    """Registers, spill bytes and stack from ``ptxas -v`` on the compiled PTX (the ptxas and
+    flags Triton itself used to build the cubin)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(kernel.asm["ptx"])
+        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o", str(Path(tmp) / "k.o")]
+        log = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if log.returncode:
+        raise RuntimeError(f"ptxas failed: {log.stderr[-500:]}")
+    text = log.stderr + log.stdout
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else 0  # noqa: E731
+    return {"registers": num(r"Used (\d+) registers"), "spill_store_bytes": num(r"(\d+) bytes spill stores"),
+            "spill_load_bytes": num(r"(\d+) bytes spill loads"), "stack_bytes": num(r"(\d+) bytes stack frame")}
+
+
+def compile_rows(arch: int = 90, ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16),
+                 all_configs: bool = True) -> list[dict]:
+    """One row per distinct compiled kernel (op, kernel, input dtype, constexprs, warps, stages):
+    whether it compiled for sm_``arch``, registers, spill and stack bytes, shared memory and
+    whether it fits, and the compile seconds (near 0 when Triton's cache already held it).
+    A failure is a row with its error. ``all_configs=False``: the first autotune config only."""
+    check_environment()
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.driver import driver
+    captured = launches(ops, dtypes)
+    previous = driver._active
+    driver.set_active(_offline_driver(arch))
+    rows, seen = [], set()
+    try:
+        for L in captured:
+            tuned = isinstance(L.kernel, Autotuner)
+            fn = L.kernel.fn if tuned else L.kernel
+            configs = (L.kernel.configs if all_configs else L.kernel.configs[:1]) if tuned else [None]
+            for cfg in configs:
+                kw = dict(L.kwargs, **(cfg.all_kwargs() if cfg is not None else {}))
+                const = {k: v for k, v in kw.items() if k not in _OPTIONS}
+                row = {"op": L.op, "kernel": L.name, "dtype": L.dtype,
+                       "constexprs": " ".join(f"{k}={v}" for k, v in sorted(const.items())),
+                       "num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3),
+                       "target": f"sm_{arch}"}
+                t0 = time.perf_counter()
+                try:
+                    k = fn.warmup(*L.args, grid=(1,), **kw)
+                    if k.hash in seen:  # the same specialisation launched again
+                        continue
+                    seen.add(k.hash)
+                    row.update(compiled=True, shared_bytes=k.metadata.shared, **_resources(k, arch))
+                    row["fits_shared"] = row["shared_bytes"] <= SHARED_LIMIT[arch]
+                except Exception as e:  # a failure is a row; the others still compile
+                    row.update(compiled=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                row["compile_s"] = round(time.perf_counter() - t0, 2)
+                rows.append(row)
+                print(_line(row), flush=True)
+    finally:
+        driver._active = previous
+    return rows
+
+
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def _line(row: dict) -> str:
+    head = f"{row['op']:>16} {row['kernel']:<22} {row['dtype']:<8} w{row['num_warps']} s{row['num_stages']} "
+    if not row["compiled"]:
+        return head + "FAILED " + row["error"]
+    return head + (f"regs {row['registers']:3d}  spill {row['spill_store_bytes']:5d} B  "
+                   f"smem {row['shared_bytes']:6d} B  {row['compile_s']:.1f} s")
+
+
+def check_environment() -> None:
+    """Raise unless the kernels are real JIT functions (Triton's interpreter is off)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("ahead-of-time compilation needs real JIT kernels: unset TRITON_INTERPRET")
