@@ -192,10 +192,15 @@ def _resources(kernel, arch: int) -> dict:
             "spill_load_bytes": num(r"(\d+) bytes spill loads"), "stack_bytes": num(r"(\d+) bytes stack frame")}
 
 
+def _mma(ptx: str) -> str:
+    """Which matrix instructions the dots became: Hopper's wgmma, mma.sync, or none (FMA)."""
+    return "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+
+
 def compile_rows(arch: int = 90, ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16),
                  all_configs: bool = True) -> list[dict]:
     """One row per distinct compiled kernel (op, kernel, input dtype, constexprs, warps, stages):
-    whether it compiled for sm_``arch``, registers, spill and stack bytes, shared memory and
+    whether it compiled for sm_``arch``, the matrix instructions, registers, spill and stack bytes, shared memory and
     whether it fits, and the compile seconds (near 0 when Triton's cache already held it).
     A failure is a row with its error. ``all_configs=False``: the first autotune config only."""
     check_environment()
@@ -223,7 +228,8 @@ def compile_rows(arch: int = 90, ops=tuple(OPS), dtypes=(torch.float32, torch.bf
                     if k.hash in seen:  # the same specialisation launched again
                         continue
                     seen.add(k.hash)
-                    row.update(compiled=True, shared_bytes=k.metadata.shared, **_resources(k, arch))
+                    row.update(compiled=True, shared_bytes=k.metadata.shared, mma=_mma(k.asm["ptx"]),
+                               **_resources(k, arch))
                     row["fits_shared"] = row["shared_bytes"] <= SHARED_LIMIT[arch]
                 except Exception as e:  # a failure is a row; the others still compile
                     row.update(compiled=False, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -242,7 +248,7 @@ def _line(row: dict) -> str:
     head = f"{row['op']:>16} {row['kernel']:<22} {row['dtype']:<8} w{row['num_warps']} s{row['num_stages']} "
     if not row["compiled"]:
         return head + "FAILED " + row["error"]
-    return head + (f"regs {row['registers']:3d}  spill {row['spill_store_bytes']:5d} B  "
+    return head + (f"{row['mma']:<8} regs {row['registers']:3d}  spill {row['spill_store_bytes']:5d} B  "
                    f"smem {row['shared_bytes']:6d} B  {row['compile_s']:.1f} s")
 
 

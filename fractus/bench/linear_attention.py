@@ -8,10 +8,13 @@ GPU (bf16): forward and forward+backward at B=8, T ∈ {512, 2048, 8192}, 2 leve
 (40 level·heads), D=64: Triton vs the PyTorch chunked path (fp32 inside), fla's
 chunk_linear_attn when importable (levels folded into heads, feature maps and normalisation
 included), and the materialising formulation where it fits; decode step (B=1, T=1) Triton vs
-the PyTorch path, target ≥ 10×.
+the PyTorch path, target ≥ 10×. Forward+backward also times the Triton backward on chunks of 64
+(``triton_bwd64``) against its default 32, chosen ahead of time for register pressure
+(``python -m fractus.bench aot``): the first GPU run says which is faster.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import statistics
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from fractus.bench import common
+from fractus.kernels import linear_attention as la_kernels
 from fractus.kernels.linear_attention import linear_attention
 
 PHI = (1 + 5 ** 0.5) / 2
@@ -88,19 +92,31 @@ def _fla_fn():
     return fn, "fla chunk_linear_attn, normalize=False; denominator by a second call with v=ones"
 
 
+@contextlib.contextmanager
+def _backward_chunk(n):
+    """The Triton backward's chunk length set to ``n`` for the duration."""
+    default, la_kernels._BWD_CHUNK = la_kernels._BWD_CHUNK, n
+    try:
+        yield
+    finally:
+        la_kernels._BWD_CHUNK = default
+
+
 def _run(impl, q, k, v, w, oms, g=None, st=None):
-    """impl ∈ torch / triton / reference / materialising / fla → o (state ignored for the last two)."""
+    """impl ∈ torch / triton / triton_bwd64 / reference / materialising / fla → o (state ignored
+    for the last two; triton_bwd64's forward is triton's, see _fwd_bwd)."""
     if impl == "materialising":
         return materialising(q, k, v, w, oms)
     if impl == "fla":
         return _fla_fn()[0](q, k, v, w, oms)
-    return linear_attention(q, k, v, w, oms, g, st, backend=impl)[0]
+    return linear_attention(q, k, v, w, oms, g, st, backend=impl.removesuffix("_bwd64"))[0]
 
 
 def _fwd_bwd(impl, q, k, v, w, oms):
     for x in (q, k, v, w):
         x.grad = None
-    _run(impl, q, k, v, w, oms).float().sum().backward()
+    with _backward_chunk(64) if impl == "triton_bwd64" else contextlib.nullcontext():
+        _run(impl, q, k, v, w, oms).float().sum().backward()
 
 
 def peak_case(impl, B, T, H, D, levels):
@@ -213,8 +229,9 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
         q, k, v, w, _, _ = make_inputs(B, T, H, D, Lv, dtype=dtype, device=device)
         meta = dict(bench="linear_attention", dtype=dname, B=B, T=T, H=H, levels=Lv, D=D)
         for mode in ("fwd", "fwd+bwd"):
-            timed = {}
-            for impl in ("triton", "torch", "fla", "materialising"):
+            timed, first = {}, len(rows)
+            impls = ("triton", "triton_bwd64") if mode == "fwd+bwd" else ("triton",)
+            for impl in impls + ("torch", "fla", "materialising"):
                 row = dict(meta, mode=mode, impl=impl)
                 if impl == "fla" and fla is None:
                     rows.append(dict(row, note=fla_note))
@@ -243,7 +260,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
                     if device == "cuda":
                         torch.cuda.empty_cache()
                 rows.append(row)
-            for r in rows[-4:]:
+            for r in rows[first:]:
                 if "time_s" in r:
                     for other in ("torch", "fla", "materialising"):
                         if other in timed and other != r["impl"]:
