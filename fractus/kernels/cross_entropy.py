@@ -193,13 +193,24 @@ def _tanh(x):
 
 
 @triton.jit
-def _rows(POS, offs_m, mmask, HAS_POS: tl.constexpr):
-    """Row indices into h (int64) of the scored rows offs_m."""
+def _token_rows(POS, T, offs_m, M, ignore_index, HAS_POS: tl.constexpr):
+    """For the scored rows offs_m: their mask, row indices into h (int64) and targets."""
+    mmask = offs_m < M
     if HAS_POS:
         r = tl.load(POS + offs_m, mask=mmask, other=0)
     else:
         r = offs_m
-    return r.to(tl.int64)
+    return mmask, r.to(tl.int64), tl.load(T + offs_m, mask=mmask, other=ignore_index)
+
+
+@triton.jit
+def _vocab_split(V, BLOCK_V: tl.constexpr):
+    """This program's vocab split (grid axis 1): its index and the [start, end) of its vocab tiles."""
+    pid_s = tl.program_id(1)
+    n_tiles = tl.cdiv(V, BLOCK_V)
+    per = tl.cdiv(n_tiles, tl.num_programs(1))
+    start = pid_s * per
+    return pid_s, start, tl.minimum(start + per, n_tiles)
 
 
 @triton.jit
@@ -239,18 +250,13 @@ def _lce_fwd_kernel(H, W, T, POS, LSE_P, TGT_P, M, V, D, stride_h, stride_w, ign
                     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
     """Grid (token blocks, vocab splits): online log-sum-exp and target logit over the split's
     vocab tiles -> LSE_P[split, M], TGT_P[split, M] (no split is empty, see _n_split)."""
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = offs_m < M
-    rows = _rows(POS, offs_m, mmask, HAS_POS)
-    tgt = tl.load(T + offs_m, mask=mmask, other=ignore_index)
-    n_tiles = tl.cdiv(V, BLOCK_V)
-    per = tl.cdiv(n_tiles, tl.num_programs(1))
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask, rows, tgt = _token_rows(POS, T, offs_m, M, ignore_index, HAS_POS)
+    pid_s, start, end = _vocab_split(V, BLOCK_V)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     s_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     t_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for j in range(pid_s * per, tl.minimum(pid_s * per + per, n_tiles)):
+    for j in range(start, end):
         offs_v = j * BLOCK_V + tl.arange(0, BLOCK_V)
         vmask = offs_v < V
         acc, t = _logits_tile(H, W, rows, mmask, offs_v, vmask, D, stride_h, stride_w, softcap,
@@ -272,20 +278,14 @@ def _lce_bwd_dh_kernel(H, W, T, POS, LSE, G, DH_P, M, V, D, stride_h, stride_w, 
                        BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """Grid (token blocks, vocab splits): DH_P[split, M, D] (fp32) = G·Σ_tiles dlogits·W_tile.
     The program owns its rows of DH_P, so it accumulates there without atomics (first tile stores)."""
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = offs_m < M
-    rows = _rows(POS, offs_m, mmask, HAS_POS)
-    tgt = tl.load(T + offs_m, mask=mmask, other=ignore_index)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask, rows, tgt = _token_rows(POS, T, offs_m, M, ignore_index, HAS_POS)
     valid = tgt != ignore_index
     lse = tl.load(LSE + offs_m, mask=mmask, other=0.0)
     g = tl.load(G)
-    n_tiles = tl.cdiv(V, BLOCK_V)
-    per = tl.cdiv(n_tiles, tl.num_programs(1))
-    start = pid_s * per
+    pid_s, start, end = _vocab_split(V, BLOCK_V)
     out = DH_P + (pid_s.to(tl.int64) * M + offs_m.to(tl.int64))[:, None] * D
-    for j in range(start, tl.minimum(start + per, n_tiles)):
+    for j in range(start, end):
         offs_v = j * BLOCK_V + tl.arange(0, BLOCK_V)
         vmask = offs_v < V
         acc, t = _logits_tile(H, W, rows, mmask, offs_v, vmask, D, stride_h, stride_w, softcap,
@@ -320,9 +320,7 @@ def _lce_bwd_dw_kernel(H, W, T, POS, LSE, G, DW, V0, M, V, D, stride_h, stride_w
     out = DW + (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)[:, None] * D
     for m0 in range(0, M, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        mmask = offs_m < M
-        rows = _rows(POS, offs_m, mmask, HAS_POS)
-        tgt = tl.load(T + offs_m, mask=mmask, other=ignore_index)
+        mmask, rows, tgt = _token_rows(POS, T, offs_m, M, ignore_index, HAS_POS)
         valid = tgt != ignore_index
         lse = tl.load(LSE + offs_m, mask=mmask, other=0.0)
         acc, t = _logits_tile(H, W, rows, mmask, offs_v, vmask, D, stride_h, stride_w, softcap,

@@ -185,6 +185,65 @@ def _feature(x, om, mask):
     return tl.where(mask, tl.where(u > 0, u + 1.0, tl.exp(u)), 0.0)
 
 
+@triton.jit
+def _level_features(qx, kx, om_ptr, l, mask):
+    """Level l's shift ω_l and the features f(q), f(k) of the chunk's tiles."""
+    om = tl.load(om_ptr + l)
+    return om, _feature(qx, om, mask), _feature(kx, om, mask)
+
+
+@triton.jit
+def _state_index(D, BD: tl.constexpr):
+    """rd [BD], its mask, and the [BD, BD] mask and offsets of one D×D state."""
+    rd = tl.arange(0, BD)
+    dmask = rd < D
+    return rd, dmask, dmask[:, None] & dmask[None, :], rd[:, None] * D + rd[None, :]
+
+
+@triton.jit
+def _load_state(s_ptr, z_ptr, n, D, BD: tl.constexpr, PRESENT: tl.constexpr):
+    """(S [BD, BD], z [BD]) fp32 of folded head n from [.., D, D] / [.., D] buffers, or zeros."""
+    rd, dmask, smask, soff = _state_index(D, BD)
+    if PRESENT:
+        S = tl.load(s_ptr + n * D * D + soff, mask=smask, other=0.0)
+        z = tl.load(z_ptr + n * D + rd, mask=dmask, other=0.0)
+    else:
+        S = tl.zeros([BD, BD], dtype=tl.float32)
+        z = tl.zeros([BD], dtype=tl.float32)
+    return S, z
+
+
+@triton.jit
+def _chunk_index(T, H, D, BT: tl.constexpr, BD: tl.constexpr):
+    """Program (chunk c, b·H + h) of the parallel kernels: rt [BT], t = c·BT + rt and its mask,
+    the [BT, BD] mask m2, and the [BT, BD] offsets of the chunk in one [T, H, D] (row) and in
+    x [B, T, H, D] (off)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    rt = tl.arange(0, BT)
+    rd, dmask, smask, soff = _state_index(D, BD)
+    t = c * BT + rt
+    tmask = t < T
+    row = h * D + t.to(tl.int64)[:, None] * H * D + rd[None, :]
+    return c, bh, b, h, rt, t, tmask, tmask[:, None] & dmask[None, :], row, b * T * H * D + row
+
+
+@triton.jit
+def _load_qkv(q_ptr, k_ptr, v_ptr, off, m2):
+    """The chunk's q, k (fp32) and v (input dtype) tiles [BT, BD], 0 where masked."""
+    return (tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32),
+            tl.load(k_ptr + off, mask=m2, other=0.0).to(tl.float32), tl.load(v_ptr + off, mask=m2, other=0.0))
+
+
+@triton.jit
+def _decay_mask(lg, rt):
+    """[BT, BT] causal decay mask M_ts = γ^{t−s} for t ≥ s, else 0 (lg = log γ)."""
+    gap = rt[:, None] - rt[None, :]
+    return tl.where(gap >= 0, tl.exp(lg * tl.maximum(gap, 0).to(tl.float32)), 0.0)
+
+
 @triton.autotune(configs=_configs(), key=["BT", "BD"])
 @triton.jit
 def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_ptr, sf_ptr, zf_ptr,
@@ -201,16 +260,8 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_pt
     om = tl.load(om_ptr + l)
     lg = tl.log(tl.load(g_ptr + h))
     rt = tl.arange(0, BT)
-    rd = tl.arange(0, BD)
-    dmask = rd < D
-    smask = dmask[:, None] & dmask[None, :]
-    soff = rd[:, None] * D + rd[None, :]
-    if HAS_INIT:
-        S = tl.load(s0_ptr + n * D * D + soff, mask=smask, other=0.0)
-        z = tl.load(z0_ptr + n * D + rd, mask=dmask, other=0.0)
-    else:
-        S = tl.zeros([BD, BD], dtype=tl.float32)
-        z = tl.zeros([BD], dtype=tl.float32)
+    rd, dmask, smask, soff = _state_index(D, BD)
+    S, z = _load_state(s0_ptr, z0_ptr, n, D, BD, HAS_INIT)
     base = b * T * H * D + h * D
     for c in range(NC):
         hoff = n * NC + c
@@ -239,32 +290,15 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
     same with z_c and a ones column (M_ts = γ^{t−s}, t ≥ s); o = Σ_l w_l num/(den + eps).
     With STORE_Y, per-level y [Lv, B, T, H, D] and den [B, Lv, H, T] (fp32) are kept for backward."""
     DT = v_ptr.dtype.element_ty
-    c = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
+    c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, BT, BD)
+    rd, dmask, smask, soff = _state_index(D, BD)
     lg = tl.log(tl.load(g_ptr + h))
-    rt = tl.arange(0, BT)
-    rd = tl.arange(0, BD)
-    t = c * BT + rt
-    tmask = t < T
-    dmask = rd < D
-    m2 = tmask[:, None] & dmask[None, :]
-    smask = dmask[:, None] & dmask[None, :]
-    soff = rd[:, None] * D + rd[None, :]
-    row = h * D + t.to(tl.int64)[:, None] * H * D + rd[None, :]
-    off = b * T * H * D + row
-    qx = tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    kx = tl.load(k_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    vx = tl.load(v_ptr + off, mask=m2, other=0.0)
+    qx, kx, vx = _load_qkv(q_ptr, k_ptr, v_ptr, off, m2)
     gq = tl.exp(lg * (rt + 1).to(tl.float32))
-    causal = rt[:, None] >= rt[None, :]
-    M = tl.where(causal, tl.exp(lg * tl.maximum(rt[:, None] - rt[None, :], 0).to(tl.float32)), 0.0)
+    M = _decay_mask(lg, rt)
     o = tl.zeros([BT, BD], dtype=tl.float32)
     for l in tl.static_range(LV):
-        om = tl.load(om_ptr + l)
-        fq = _feature(qx, om, m2)
-        fk = _feature(kx, om, m2)
+        om, fq, fk = _level_features(qx, kx, om_ptr, l, m2)
         n = (b * LV + l) * H + h
         hoff = n * NC + c
         S = tl.load(hs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
@@ -307,16 +341,8 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
     wl = tl.load(w_ptr + l).to(tl.float32)
     lg = tl.log(tl.load(g_ptr + h))
     rt = tl.arange(0, BT)
-    rd = tl.arange(0, BD)
-    dmask = rd < D
-    smask = dmask[:, None] & dmask[None, :]
-    soff = rd[:, None] * D + rd[None, :]
-    if HAS_DFINAL:
-        dS = tl.load(dsf_ptr + n * D * D + soff, mask=smask, other=0.0)
-        dz = tl.load(dzf_ptr + n * D + rd, mask=dmask, other=0.0)
-    else:
-        dS = tl.zeros([BD, BD], dtype=tl.float32)
-        dz = tl.zeros([BD], dtype=tl.float32)
+    rd, dmask, smask, soff = _state_index(D, BD)
+    dS, dz = _load_state(dsf_ptr, dzf_ptr, n, D, BD, HAS_DFINAL)
     base = b * T * H * D + h * D
     gq = tl.exp(lg * (rt + 1).to(tl.float32))
     for i in range(NC):
@@ -350,37 +376,20 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
     end-state grads dS, dz; intra-chunk terms through the decay mask), summed over levels with
     the feature-map derivative; per-level Σ dO·y_l into dwp [B·H, NC, Lv] for the level weights."""
     DT = v_ptr.dtype.element_ty
-    c = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
+    c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, BT, BD)
+    rd, dmask, smask, soff = _state_index(D, BD)
     lg = tl.log(tl.load(g_ptr + h))
-    rt = tl.arange(0, BT)
-    rd = tl.arange(0, BD)
-    t = c * BT + rt
-    tmask = t < T
-    dmask = rd < D
-    m2 = tmask[:, None] & dmask[None, :]
-    smask = dmask[:, None] & dmask[None, :]
-    soff = rd[:, None] * D + rd[None, :]
-    row = h * D + t.to(tl.int64)[:, None] * H * D + rd[None, :]
-    off = b * T * H * D + row
-    qx = tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    kx = tl.load(k_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    vx = tl.load(v_ptr + off, mask=m2, other=0.0)
+    qx, kx, vx = _load_qkv(q_ptr, k_ptr, v_ptr, off, m2)
     do = tl.load(do_ptr + off, mask=m2, other=0.0).to(tl.float32)
     L = tl.minimum(T - c * BT, BT)
     gq = tl.exp(lg * (rt + 1).to(tl.float32))
     gk = tl.where(rt < L, tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32)), 0.0)
-    causal = rt[:, None] >= rt[None, :]
-    M = tl.where(causal, tl.exp(lg * tl.maximum(rt[:, None] - rt[None, :], 0).to(tl.float32)), 0.0)
+    M = _decay_mask(lg, rt)
     dq = tl.zeros([BT, BD], dtype=tl.float32)
     dk = tl.zeros([BT, BD], dtype=tl.float32)
     dv = tl.zeros([BT, BD], dtype=tl.float32)
     for l in tl.static_range(LV):
-        om = tl.load(om_ptr + l)
-        fq = _feature(qx, om, m2)
-        fk = _feature(kx, om, m2)
+        om, fq, fk = _level_features(qx, kx, om_ptr, l, m2)
         n = (b * LV + l) * H + h
         hoff = n * NC + c
         y = tl.load(y_ptr + (l * B + b) * T * H * D + row, mask=m2, other=0.0)
@@ -422,22 +431,14 @@ def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr,
     h = bh % H
     gam = tl.load(g_ptr + h)
     rt = tl.arange(0, TB)
-    rd = tl.arange(0, BD)
-    dmask = rd < D
-    smask = dmask[:, None] & dmask[None, :]
-    soff = rd[:, None] * D + rd[None, :]
+    rd, dmask, smask, soff = _state_index(D, BD)
     base = b * T * H * D + h * D
     acc = tl.zeros([TB, BD], dtype=tl.float32)
     for l in tl.static_range(LV):
         om = tl.load(om_ptr + l)
         wl = tl.load(w_ptr + l).to(tl.float32)
         n = (b * LV + l) * H + h
-        if HAS_INIT:
-            S = tl.load(s0_ptr + n * D * D + soff, mask=smask, other=0.0)
-            z = tl.load(z0_ptr + n * D + rd, mask=dmask, other=0.0)
-        else:
-            S = tl.zeros([BD, BD], dtype=tl.float32)
-            z = tl.zeros([BD], dtype=tl.float32)
+        S, z = _load_state(s0_ptr, z0_ptr, n, D, BD, HAS_INIT)
         for t in range(T):
             off = base + t * H * D + rd
             fq = _feature(tl.load(q_ptr + off, mask=dmask, other=0.0).to(tl.float32), om, dmask)

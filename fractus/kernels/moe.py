@@ -121,6 +121,23 @@ def _gelu_grad(z):
     return 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
 
 
+@triton.jit
+def _tile(tile_e_ptr, tile_lo_ptr, tile_hi_ptr, stok_ptr, d, F, r, BM: tl.constexpr, R: tl.constexpr,
+          BD: tl.constexpr, BF: tl.constexpr):
+    """This program's routing tile: expert e, its sorted rows [BM] and their mask, their tokens,
+    the number of d and d_ff blocks (0 for an empty tile), and the rank index ri [R] and mask."""
+    t = tl.program_id(0)
+    e = tl.load(tile_e_ptr + t).to(tl.int64)
+    lo = tl.load(tile_lo_ptr + t)
+    hi = tl.load(tile_hi_ptr + t)
+    rows = (lo + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < hi
+    tok = tl.load(stok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    ri = tl.arange(0, R)
+    return (e, rows, rmask, tok, tl.where(hi > lo, tl.cdiv(d, BD), 0), tl.where(hi > lo, tl.cdiv(F, BF), 0),
+            ri, ri < r)
+
+
 @triton.autotune(configs=_configs(("BD", "BF"), _FUSED_CFG), key=["d", "F", "R"])
 @triton.jit
 def _lr_fwd_kernel(x_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
@@ -133,17 +150,8 @@ def _lr_fwd_kernel(x_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_ptr, ti
     y_slot = g · (s2 a2 U2ᵀ + b2) written at the pair's slot; a1, a2 saved (fp32) for backward.
     """
     CDT = x_ptr.dtype.element_ty
-    t = tl.program_id(0)
-    e = tl.load(tile_e_ptr + t).to(tl.int64)
-    lo = tl.load(tile_lo_ptr + t)
-    hi = tl.load(tile_hi_ptr + t)
-    rows = (lo + tl.arange(0, BM)).to(tl.int64)
-    rmask = rows < hi
-    nd = tl.where(hi > lo, tl.cdiv(d, BD), 0)
-    nf = tl.where(hi > lo, tl.cdiv(F, BF), 0)
-    tok = tl.load(stok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    ri = tl.arange(0, R)
-    rm = ri < r
+    e, rows, rmask, tok, nd, nf, ri, rm = _tile(tile_e_ptr, tile_lo_ptr, tile_hi_ptr, stok_ptr, d, F, r,
+                                                BM, R, BD, BF)
     a1 = tl.zeros([BM, R], dtype=tl.float32)
     for i in range(0, nd):
         cd = i * BD + tl.arange(0, BD)
@@ -193,17 +201,8 @@ def _lr_bwd_rows_kernel(dy_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_p
     weight-gradient kernels and the per-expert sums.
     """
     CDT = dy_ptr.dtype.element_ty
-    t = tl.program_id(0)
-    e = tl.load(tile_e_ptr + t).to(tl.int64)
-    lo = tl.load(tile_lo_ptr + t)
-    hi = tl.load(tile_hi_ptr + t)
-    rows = (lo + tl.arange(0, BM)).to(tl.int64)
-    rmask = rows < hi
-    nd = tl.where(hi > lo, tl.cdiv(d, BD), 0)
-    nf = tl.where(hi > lo, tl.cdiv(F, BF), 0)
-    tok = tl.load(stok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    ri = tl.arange(0, R)
-    rm = ri < r
+    e, rows, rmask, tok, nd, nf, ri, rm = _tile(tile_e_ptr, tile_lo_ptr, tile_hi_ptr, stok_ptr, d, F, r,
+                                                BM, R, BD, BF)
     rmask2 = rmask[:, None] & rm[None, :]
     a1 = tl.load(a1_ptr + rows[:, None] * r + ri[None, :], mask=rmask2, other=0.0)
     a2 = tl.load(a2_ptr + rows[:, None] * r + ri[None, :], mask=rmask2, other=0.0)
