@@ -31,6 +31,18 @@ def gpu_csv(name: str) -> pd.DataFrame | None:
     return pd.read_csv(path) if path.exists() else None
 
 
+def aot_summary(path: str | Path = REPO / "results" / "aot_sm90.csv") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``python -m fractus.bench aot``'s rows and, per (op, kernel, dtype): the configs compiled,
+    the matrix instructions, max registers, min/max spill bytes and max shared memory (KiB)."""
+    rows = pd.read_csv(path)
+    summary = (rows.groupby(["op", "kernel", "dtype"])
+               .agg(configs=("num_warps", "size"), mma=("mma", "first"), registers=("registers", "max"),
+                    spill_min_B=("spill_store_bytes", "min"), spill_max_B=("spill_store_bytes", "max"),
+                    smem_KiB=("shared_bytes", lambda s: s.max() / 1024))
+               .reset_index())
+    return rows, summary
+
+
 def footnote(device: torch.device | str = "cpu") -> str:
     p = provenance(device)
     return (f"{'SMOKE sizes — ' if SMOKE else ''}measured {p['date']} on {p['device']}; "
