@@ -20,3 +20,11 @@ def test_gpu_suite_dry_run(tmp_path):
     train = pd.read_csv(tmp_path / "train_throughput.csv")
     assert (train["tok_s"] > 0).all() and (train["mfu"] > 0).all()
     assert (tmp_path / "provenance.json").exists()
+
+
+def test_gpu_suite_budget_skips_stages(tmp_path):
+    tables = run_suite(tmp_path, dry_run=True, budget_s=-1.0)  # spent before the first stage
+    f = pd.read_csv(tmp_path / "failures.csv")
+    assert len(f) == len(tables["failures"]) >= 12 and f["error"].str.startswith("skipped: the time budget").all()
+    assert {"ceilings", "correctness_linear_attention", "train_throughput", "profile"} <= set(f["stage"])
+    assert (tmp_path / "provenance.json").exists() and not (tmp_path / "ceilings.csv").exists()

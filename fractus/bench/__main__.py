@@ -65,6 +65,8 @@ def main(argv=None) -> None:
     g = sub.add_parser("gpu", help="the GPU suite → OUT/*.csv")
     g.add_argument("--out", default="results/gpu")
     g.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, Triton interpreter")
+    g.add_argument("--budget-s", type=float, default=None,
+                   help="start no stage after this many seconds (skipped stages go to failures.csv)")
     a = ap.parse_args(argv)
     keep_freed_memory()
     if a.cmd == "cpu":
@@ -79,7 +81,7 @@ def main(argv=None) -> None:
         if a.dry_run:  # the kernels run in Triton's interpreter; set before triton is imported
             os.environ["TRITON_INTERPRET"] = "1"
         from fractus.bench.gpu import run_suite
-        run_suite(Path(a.out), dry_run=a.dry_run)
+        run_suite(Path(a.out), dry_run=a.dry_run, budget_s=a.budget_s)
 
 
 if __name__ == "__main__":

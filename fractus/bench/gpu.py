@@ -8,8 +8,10 @@
    tick-by-tick generation tokens/s, the lever stack and the profiler breakdown (notebooks 01, 02);
 5. CSVs under ``results/gpu/`` (read by the notebooks) and a summary table printed last.
 
-A failing stage is recorded in ``failures.csv`` and the suite goes on. ``--dry-run`` runs the
-same code paths on CPU at tiny sizes (kernels through Triton's interpreter); CI runs it.
+A failing stage is recorded in ``failures.csv`` and the suite goes on; with ``--budget-s`` a
+stage that would start after the budget is spent is recorded as skipped, so the summary and the
+CSVs are written before an outer time limit kills the run. ``--dry-run`` runs the same code paths
+on CPU at tiny sizes (kernels through Triton's interpreter); CI runs it.
 """
 from __future__ import annotations
 
@@ -124,8 +126,9 @@ def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
     return rows
 
 
-def run_suite(out: Path, dry_run: bool = False) -> dict[str, pd.DataFrame]:
-    """Run every stage; write ``out/*.csv``; return the tables."""
+def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -> dict[str, pd.DataFrame]:
+    """Run every stage (none that would start after ``budget_s`` seconds); write ``out/*.csv``;
+    return the tables."""
     device = torch.device("cpu" if dry_run else "cuda")
     if not dry_run and not torch.cuda.is_available():
         raise RuntimeError("the GPU suite needs a CUDA device; use --dry-run on CPU")
@@ -140,6 +143,11 @@ def run_suite(out: Path, dry_run: bool = False) -> dict[str, pd.DataFrame]:
 
     def stage(name: str, fn):
         t0 = time.perf_counter()
+        if budget_s is not None and t0 - t_start > budget_s:
+            failures.append({"stage": name, "error": f"skipped: the time budget of {budget_s:.0f} s was spent",
+                             "trace": ""})
+            print(f"[{t0 - t_start:6.1f}s] {name}: skipped (time budget)")
+            return
         try:
             rows = fn()
             if rows:
