@@ -460,6 +460,10 @@ def _block_d(D):
     return max(16, triton.next_power_of_2(D))
 
 
+# Chunk lengths. The backward recomputes its chunk states, so it need not use the forward's:
+# on chunks of 32 its gradient kernel spills 16 B of registers in bf16 on sm_90 instead of
+# 1–2.6 KiB on chunks of 64 (python -m fractus.bench aot), at the price of mma.sync instead of
+# wgmma; the GPU suite times both (timing_linear_attention.csv, impl triton_bwd64).
 _FWD_CHUNK, _BWD_CHUNK = 64, 32
 
 
