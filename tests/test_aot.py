@@ -1,6 +1,7 @@
 """Every Triton kernel compiles for sm_90 (H100/H200) with Triton's own compiler and ptxas, without
 a GPU. The other kernel tests run Triton's interpreter, which accepts programs a GPU compiler
-rejects; this runs ``python -m fractus.bench aot --quick`` (real JIT kernels: no TRITON_INTERPRET)."""
+rejects; this runs ``python -m fractus.bench aot --quick`` (real JIT kernels: no TRITON_INTERPRET),
+with palier0's bf16 training step and decode step."""
 import importlib
 import os
 import subprocess
@@ -18,8 +19,8 @@ def _kernel_names(op):
 
 def test_every_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "fractus.bench", "aot", "--quick", "--out", str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=1200)
+    r = subprocess.run([sys.executable, "-m", "fractus.bench", "aot", "--quick", "--presets", "palier0",
+                        "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rows = pd.read_csv(tmp_path / "aot_sm90.csv")
     assert rows["compiled"].all() and rows["fits_shared"].all()
@@ -29,6 +30,10 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         assert set(got["kernel"]) == _kernel_names(op), op  # no kernel escaped the capture
         for name, g in got.groupby("kernel"):
             assert set(g["dtype"]) == {"float32", "bfloat16"}, (op, name)
+    model = rows[rows["op"] == "model[palier0]"]  # a bf16 training step and a decode step
+    assert (model["dtype"] == "bfloat16").all() and {"_la_out_kernel", "_la_bwd_grads_kernel", "_la_decode_kernel",
+                                                     "_lr_fwd_kernel", "_lr_bwd_rows_kernel", "_lce_fwd_kernel",
+                                                     "_lce_bwd_dw_kernel"} <= set(model["kernel"])
 
 
 def test_aot_refuses_the_interpreter(tmp_path):

@@ -32,12 +32,13 @@ def run_cpu(out: Path, smoke: bool, only: list[str]) -> None:
         print(pd.DataFrame(rows).drop(columns=[], errors="ignore").to_string(index=False, max_colwidth=28))
 
 
-def run_aot(out: Path, arch: int, quick: bool) -> int:
-    """Compile every kernel for sm_``arch`` in a fresh Triton cache (cold compile times);
-    returns 1 if one failed to compile or needs more shared memory than a block may have."""
+def run_aot(out: Path, arch: int, quick: bool, presets: list[str]) -> int:
+    """Compile every kernel (and each preset's training and decode launches) for sm_``arch`` in
+    a fresh Triton cache (cold compile times); returns 1 if one failed to compile or needs more
+    shared memory than a block may have."""
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
-        rows = aot.compile_rows(arch, all_configs=not quick)
+        rows = aot.compile_rows(arch, all_configs=not quick, presets=presets)
     path = write_csv(out / f"aot_sm{arch}.csv", rows)
     t = pd.DataFrame(rows)
     bad = t[~t["compiled"] | ~t["fits_shared"].fillna(False).astype(bool)]
@@ -62,6 +63,8 @@ def main(argv=None) -> None:
     t.add_argument("--out", default="results")
     t.add_argument("--arch", type=int, default=90, choices=sorted(aot.SHARED_LIMIT))
     t.add_argument("--quick", action="store_true", help="the first autotune config of each kernel only")
+    t.add_argument("--presets", nargs="*", choices=aot.PRESETS, default=None,
+                   help="models whose training and decode launches to compile too (default: all; none with --quick)")
     g = sub.add_parser("gpu", help="the GPU suite → OUT/*.csv")
     g.add_argument("--out", default="results/gpu")
     g.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, Triton interpreter")
@@ -76,7 +79,8 @@ def main(argv=None) -> None:
             aot.check_environment()
         except RuntimeError as e:
             ap.error(str(e))
-        sys.exit(run_aot(Path(a.out), a.arch, a.quick))
+        presets = a.presets if a.presets is not None else ([] if a.quick else list(aot.PRESETS))
+        sys.exit(run_aot(Path(a.out), a.arch, a.quick, presets))
     else:
         if a.dry_run:  # the kernels run in Triton's interpreter; set before triton is imported
             os.environ["TRITON_INTERPRET"] = "1"

@@ -148,11 +148,29 @@ def _run_cross_entropy(dtype):
 
 
 OPS = {"linear_attention": _run_linear_attention, "moe": _run_moe, "cross_entropy": _run_cross_entropy}
+PRESETS = ("palier0", "palier1", "palier2", "palier3", "1b")
 
 
-def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16)) -> list[Launch]:
-    """Run each op's Triton path forward and backward on CPU with launches captured."""
+def _run_model(preset: str) -> None:
+    """One bf16-autocast training micro-step of ``preset`` at the GPU suite's setting (8 streams
+    × 128 tokens, every position scored), then one decode step: what training and generation launch."""
+    from fractus.model import FractusConfig, FractusCTE
+    cfg = FractusConfig.preset(preset, chunk_len=128, backend="triton")
+    torch.manual_seed(0)
+    model = FractusCTE(cfg)
+    x = torch.randint(0, cfg.vocab_size, (8, 129))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, parts, state = model(x[:, :-1], None, x[:, 1:])
+        parts["loss"].backward()
+        with torch.no_grad():
+            model.step(x[:, :1], FractusCTE.detach_state(state))
+
+
+def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=()) -> list[Launch]:
+    """Run each op's Triton path forward and backward, and each preset's model (bf16 autocast),
+    on CPU with launches captured."""
     import importlib
+    from contextlib import ExitStack
     from fractus.kernels import backend
     out: list[Launch] = []
     for op in ops:
@@ -160,6 +178,13 @@ def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16)) -> list[Lau
         for dtype in dtypes:
             with capture(module, op, dtype, out), _triton_on_cpu(backend):
                 OPS[op](dtype)
+    for preset in presets:
+        with ExitStack() as stack:
+            for op in OPS:
+                module = importlib.import_module(f"fractus.kernels.{op}")
+                stack.enter_context(capture(module, f"model[{preset}]", torch.bfloat16, out))
+            stack.enter_context(_triton_on_cpu(backend))
+            _run_model(preset)
     return out
 
 
@@ -198,15 +223,17 @@ def _mma(ptx: str) -> str:
 
 
 def compile_rows(arch: int = 90, ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16),
-                 all_configs: bool = True) -> list[dict]:
+                 all_configs: bool = True, presets=()) -> list[dict]:
     """One row per distinct compiled kernel (op, kernel, input dtype, constexprs, warps, stages):
     whether it compiled for sm_``arch``, the matrix instructions, registers, spill and stack bytes, shared memory and
     whether it fits, and the compile seconds (near 0 when Triton's cache already held it).
-    A failure is a row with its error. ``all_configs=False``: the first autotune config only."""
+    A failure is a row with its error. ``all_configs=False``: the first autotune config only.
+    ``presets``: also each preset's training step and decode step (op ``model[preset]``); a kernel
+    an earlier op compiled is listed again with its compile seconds near 0."""
     check_environment()
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.driver import driver
-    captured = launches(ops, dtypes)
+    captured = launches(ops, dtypes, presets)
     previous = driver._active
     driver.set_active(_offline_driver(arch))
     rows, seen = [], set()
@@ -225,9 +252,9 @@ def compile_rows(arch: int = 90, ops=tuple(OPS), dtypes=(torch.float32, torch.bf
                 t0 = time.perf_counter()
                 try:
                     k = fn.warmup(*L.args, grid=(1,), **kw)
-                    if k.hash in seen:  # the same specialisation launched again
+                    if (L.op, k.hash) in seen:  # the same specialisation launched again
                         continue
-                    seen.add(k.hash)
+                    seen.add((L.op, k.hash))
                     row.update(compiled=True, shared_bytes=k.metadata.shared, mma=_mma(k.asm["ptx"]),
                                **_resources(k, arch))
                     row["fits_shared"] = row["shared_bytes"] <= SHARED_LIMIT[arch]
