@@ -31,16 +31,24 @@ def gpu_csv(name: str) -> pd.DataFrame | None:
     return pd.read_csv(path) if path.exists() else None
 
 
-def aot_summary(path: str | Path = REPO / "results" / "aot_sm90.csv") -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``python -m fractus.bench aot``'s rows and, per (op, kernel, dtype): the configs compiled,
-    the matrix instructions, max registers, min/max spill bytes and max shared memory (KiB)."""
+def aot_summary(path: str | Path = REPO / "results" / "aot_sm90.csv"):
+    """``python -m fractus.bench aot``'s rows; per (op, kernel, dtype) of the ops' own rows: the
+    configs compiled, the matrix instructions, max registers, min/max spill bytes and max shared
+    memory (KiB); per preset (rows ``model[preset]``): the launches of its bf16 training and
+    decode steps, their distinct kernels, the compile seconds they added after the ops' (a
+    specialisation compiled before is a cache hit), the most spill bytes and shared memory."""
     rows = pd.read_csv(path)
-    summary = (rows.groupby(["op", "kernel", "dtype"])
+    is_model = rows["op"].str.startswith("model[")
+    kernels = (rows[~is_model].groupby(["op", "kernel", "dtype"])
                .agg(configs=("num_warps", "size"), mma=("mma", "first"), registers=("registers", "max"),
                     spill_min_B=("spill_store_bytes", "min"), spill_max_B=("spill_store_bytes", "max"),
                     smem_KiB=("shared_bytes", lambda s: s.max() / 1024))
                .reset_index())
-    return rows, summary
+    models = (rows[is_model].groupby("op", sort=False)
+              .agg(launches=("kernel", "size"), kernels=("kernel", "nunique"), compile_s=("compile_s", "sum"),
+                   spill_max_B=("spill_store_bytes", "max"), smem_KiB=("shared_bytes", lambda s: s.max() / 1024))
+              .reset_index())
+    return rows, kernels, models
 
 
 def footnote(device: torch.device | str = "cpu") -> str:
