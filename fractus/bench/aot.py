@@ -1,7 +1,8 @@
 """Every Triton kernel compiled ahead of time for an NVIDIA GPU, on a machine without one.
 
-``python -m fractus.bench aot --out results`` runs the Triton path of each op on CPU tensors with
-the kernel launches captured instead of executed, then compiles every captured launch, for every
+``python -m fractus.bench aot --out results`` runs the Triton path of each op, and each preset's
+bf16 training and decode steps, on CPU tensors with the kernel launches captured instead of
+executed, then compiles every captured launch, for every
 autotune config, for the target (sm_90: H100/H200) with Triton's own compiler and bundled
 ``ptxas``: the same source, specialisation and options a GPU run would compile. Each row says
 whether it compiled and what the compiled kernel needs: registers per thread, spill bytes,
@@ -35,7 +36,6 @@ class Launch:
     dtype: str
     name: str
     kernel: object
-    grid: object
     args: tuple
     kwargs: dict = field(default_factory=dict)
 
@@ -86,7 +86,7 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(
-                Launch(op, str(dtype).replace("torch.", ""), self.name, self.kernel, grid, args, kwargs))
+                Launch(op, str(dtype).replace("torch.", ""), self.name, self.kernel, args, kwargs))
 
     kernels = {n: k for n, k in vars(module).items()
                if isinstance(k, (Autotuner, JITFunction)) and n.endswith("_kernel")}
@@ -99,50 +99,32 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
             setattr(module, n, k)
 
 
-def _rand(*shape, dtype, requires_grad=True):
-    return torch.randn(*shape).to(dtype).requires_grad_(requires_grad)
-
-
 def _run_linear_attention(dtype):
+    from fractus.bench.linear_attention import make_inputs, omegas
     from fractus.kernels import linear_attention as la
     B, H, D, Lv = 2, 8, 64, 2
-    for T, state, decay in ((2048, False, False), (100, True, True)):
-        q, k, v = (_rand(B, T, H, D, dtype=dtype) for _ in range(3))
-        w = torch.ones(Lv, requires_grad=True)
-        st = (_rand(B, Lv, H, D, D, dtype=torch.float32), _rand(B, Lv, H, D, dtype=torch.float32)) if state else None
-        g = torch.full((H,), 0.9) if decay else None
-        o, (S, z) = la._linear_attention_triton(q, k, v, w, [0.0, 1.0], g, st, 1e-6)
+    for T, carried in ((2048, False), (100, True)):  # chunked, forward and backward
+        q, k, v, w, g, st = make_inputs(B, T, H, D, Lv, decay=carried, state=carried, dtype=dtype)
+        o, (S, z) = la._linear_attention_triton(q, k, v, w, omegas(Lv), g, st, 1e-6)
         (o.float().sum() + S.sum() + z.sum()).backward()
-    with torch.no_grad():  # decode: one token and a short prefix, with a carried state
-        for T in (1, 5):
-            q, k, v = (_rand(B, T, H, D, dtype=dtype, requires_grad=False) for _ in range(3))
-            st = (torch.zeros(B, Lv, H, D, D), torch.zeros(B, Lv, H, D))
-            la._linear_attention_triton(q, k, v, torch.ones(Lv), [0.0, 1.0], None, st, 1e-6)
+    for T in (1, 5):  # decode: one token and a short prefix, with a carried state
+        q, k, v, w, g, st = make_inputs(B, T, H, D, Lv, state=True, dtype=dtype, grad=False)
+        la._linear_attention_triton(q, k, v, w, omegas(Lv), g, st, 1e-6)
 
 
 def _run_moe(dtype):
+    from fractus.bench.moe import make_case
     from fractus.kernels import moe
-    N, K = 300, 2
     for lowrank, d, E, F, r in ((True, 1280, 16, 2048, 64), (False, 512, 8, 512, 0)):
-        x = _rand(N, d, dtype=dtype)
-        idx = torch.randint(0, E, (N, K))
-        w = torch.rand(N, K, requires_grad=True)
-        if lowrank:
-            ex = dict(V1=_rand(E, d, r, dtype=dtype), U1=_rand(E, F, r, dtype=dtype), b1=_rand(E, F, dtype=dtype),
-                      s1=_rand(E, dtype=dtype), V2=_rand(E, F, r, dtype=dtype), U2=_rand(E, d, r, dtype=dtype),
-                      b2=_rand(E, d, dtype=dtype), s2=_rand(E, dtype=dtype))
-        else:
-            ex = dict(W1=_rand(E, d, F, dtype=dtype), b1=_rand(E, F, dtype=dtype),
-                      W2=_rand(E, F, d, dtype=dtype), b2=_rand(E, d, dtype=dtype))
+        x, idx, w, ex = make_case(300, d, E, F, r, 2, lowrank=lowrank, dtype=dtype)
         moe.moe_triton(x, idx, w, ex).float().sum().backward()
 
 
 def _run_cross_entropy(dtype):
+    from fractus.bench.cross_entropy import make_case
     from fractus.kernels import cross_entropy as ce
-    N, d, V = 300, 1280, 50257
-    for positions, softcap in ((None, None), (torch.arange(0, N, 7), 30.0)):
-        h, W = _rand(N, d, dtype=dtype), _rand(V, d, dtype=dtype)
-        t = torch.randint(0, V, (N,))
+    h, W, t = make_case(300, 1280, 50257, dtype=dtype)
+    for positions, softcap in ((None, None), (torch.arange(0, 300, 7), 30.0)):
         ce.linear_cross_entropy(h, W, t, positions=positions, softcap=softcap, z_loss=1e-4,
                                 backend="triton").backward()
 
