@@ -9,7 +9,7 @@ import sys
 
 import pandas as pd
 
-OPS = ("linear_attention", "moe", "cross_entropy")
+OPS = ("linear_attention", "moe", "cross_entropy", "kuramoto")
 
 
 def _kernel_names(op):
@@ -28,12 +28,14 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     for op in OPS:
         got = rows[rows["op"] == op]
         assert set(got["kernel"]) == _kernel_names(op), op  # no kernel escaped the capture
+        dtypes = {"float32"} if op == "kuramoto" else {"float32", "bfloat16"}  # the clock runs in fp32
         for name, g in got.groupby("kernel"):
-            assert set(g["dtype"]) == {"float32", "bfloat16"}, (op, name)
+            assert set(g["dtype"]) == dtypes, (op, name)
     model = rows[rows["op"] == "model[palier0]"]  # a bf16 training step and a decode step
     assert (model["dtype"] == "bfloat16").all() and {"_la_out_kernel", "_la_bwd_grads_kernel", "_la_decode_kernel",
                                                      "_lr_fwd_kernel", "_lr_bwd_rows_kernel", "_lce_fwd_kernel",
-                                                     "_lce_bwd_dw_kernel"} <= set(model["kernel"])
+                                                     "_lce_bwd_dw_kernel", "_kuramoto_fwd_kernel",
+                                                     "_kuramoto_bwd_kernel"} <= set(model["kernel"])
 
 
 def test_aot_refuses_the_interpreter(tmp_path):

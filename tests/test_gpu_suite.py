@@ -16,7 +16,8 @@ def test_gpu_suite_dry_run(tmp_path):
         assert checks["passed"].all(), checks[~checks["passed"]].to_dict("records")
         assert "float32" in set(checks["dtype"]) and checks["dtype"].nunique() >= 2, k
     clock = pd.read_csv(tmp_path / "correctness_kuramoto.csv")
-    assert clock["passed"].all() and len(clock) == 5, clock.to_dict("records")
+    assert clock["passed"].all() and len(clock) == 10, clock.to_dict("records")  # 5 checks × triton, torch
+    assert set(clock["kernel"]) == {"kuramoto_phase[triton]", "kuramoto_phase[torch]"}
     train = pd.read_csv(tmp_path / "train_throughput.csv")
     assert (train["tok_s"] > 0).all() and (train["mfu"] > 0).all()
     assert (tmp_path / "provenance.json").exists()

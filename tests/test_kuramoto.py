@@ -1,4 +1,5 @@
-"""Kuramoto clock: the fused autograd Function (hand-written RK4 backward) vs plain autograd."""
+"""Kuramoto clock: the fused autograd Function (hand-written RK4 backward) and the Triton kernels
+(interpreter) vs plain autograd."""
 import pytest
 import torch
 
@@ -35,11 +36,31 @@ def test_fused_matches_reference_fp32(M, N, r, steps, dt, damping):
         assert_rel(a, b, 1e-5, name)
 
 
-def test_no_grad_path_equals_fused():
+@pytest.mark.parametrize("M,N,r,steps,dt,damping", [(1, 4, 2, 2, 0.1, 0.1), (37, 8, 4, 2, 0.1, 0.1),
+                                                    (300, 16, 8, 3, 0.05, 0.0), (65, 6, 6, 1, 0.3, 0.5),
+                                                    (70, 20, 8, 2, 0.1, 0.1)])
+def test_triton_matches_fp64_truth(M, N, r, steps, dt, damping):
+    """ψ and every gradient of the Triton kernels (rows not a multiple of the block, N padded to
+    16 or 32) against plain autograd in fp64: relative error < 1e-4, as the fused path."""
+    g = torch.randn(M, dtype=torch.float64)
+    outs = {}
+    for name, dtype, fn in (("triton", torch.float32, lambda *a: kuramoto_phase(*a, backend="triton")),
+                            ("torch", torch.float32, kuramoto_phase),
+                            ("truth", torch.float64, kuramoto_phase_reference)):
+        args = make_inputs(M, N, r, dtype, seed=M)
+        psi = fn(*args, dt, steps, damping)
+        outs[name] = (psi, *torch.autograd.grad(psi, args, g.to(dtype)))
+    for i, name in enumerate(("psi", "d theta", "d omega", "d U", "d lambda")):
+        for path in ("triton", "torch"):
+            assert_rel(outs[path][i].double(), outs["truth"][i], 1e-4, f"{path} {name}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_grad_path_equals_grad_path(backend):
     args = make_inputs(50, 8, 4, torch.float32)
     with torch.no_grad():
-        a = kuramoto_phase(*args, 0.1, 2, 0.1)
-    assert_rel(a, kuramoto_phase(*args, 0.1, 2, 0.1).detach(), 1e-7, "no-grad vs fused")
+        a = kuramoto_phase(*args, 0.1, 2, 0.1, backend=backend)
+    assert_rel(a, kuramoto_phase(*args, 0.1, 2, 0.1, backend=backend).detach(), 1e-7, "no-grad vs grad")
 
 
 def test_bad_backend():
@@ -47,13 +68,14 @@ def test_bad_backend():
         kuramoto_phase(*make_inputs(3, 4, 2, torch.float32), 0.1, 2, 0.1, backend="cuda")
 
 
-def test_model_gradients_match_reference_clock():
-    """Whole-model loss and every parameter gradient with the fused clock vs the reference one
-    (attention, MoE and CE on their reference paths in both, so only the clock differs)."""
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_model_gradients_match_reference_clock(path):
+    """Whole-model loss and every parameter gradient with the fused (or Triton) clock vs the
+    reference one (attention, MoE and CE on their reference paths in both, so only the clock differs)."""
     cfg = FractusConfig.preset("tiny", n_oscillators=8, coupling_rank=4)
     x = torch.randint(0, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
     grads = []
-    for clock in ("torch", "reference"):
+    for clock in (path, "reference"):
         torch.manual_seed(0)
         model = FractusCTE(FractusConfig.preset("tiny", n_oscillators=8, coupling_rank=4, backend="reference"))
         for blk in model.blocks:
@@ -67,5 +89,5 @@ def test_model_gradients_match_reference_clock():
     scale = max(g.norm() for g in grads[1].values())
     for n in grads[1]:  # near-cancelling gradients (level logits at init) are left to the global check
         if grads[1][n].norm() > 1e-3 * scale:
-            assert_rel(grads[0][n], grads[1][n], 1e-5, n)
+            assert_rel(grads[0][n], grads[1][n], 1e-4, n)  # fp32 summation-order noise is ~1e-5
     assert any("clock.U" in n for n in grads[1]) and any("clock.encoder" in n for n in grads[1])

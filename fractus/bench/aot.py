@@ -129,7 +129,21 @@ def _run_cross_entropy(dtype):
                                 backend="triton").backward()
 
 
-OPS = {"linear_attention": _run_linear_attention, "moe": _run_moe, "cross_entropy": _run_cross_entropy}
+def _run_kuramoto(dtype):
+    if dtype != torch.float32:  # the clock always runs in fp32, whatever the model's dtype
+        return
+    from fractus.bench.gpu import kuramoto_case
+    from fractus.kernels.kuramoto import kuramoto_phase
+    for grad in (True, False):  # training (forward and backward) and a decode step (no graph)
+        args, dy = kuramoto_case(torch.device("cpu"), small=not grad)
+        with torch.set_grad_enabled(grad):
+            psi = kuramoto_phase(*args, 0.1, 2, 0.1, backend="triton")
+        if grad:
+            psi.backward(dy)
+
+
+OPS = {"linear_attention": _run_linear_attention, "moe": _run_moe, "cross_entropy": _run_cross_entropy,
+       "kuramoto": _run_kuramoto}
 PRESETS = ("palier0", "palier1", "palier2", "palier3", "1b")
 
 

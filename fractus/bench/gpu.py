@@ -2,7 +2,7 @@
 
 1. provenance and the device's ceilings (device-to-device copy GB/s, large bf16 matmul TFLOP/s);
 2. every Triton kernel compiled for real and checked against its reference in fp32 and bf16
-   (and the fused Kuramoto clock against plain autograd);
+   (and the Kuramoto clock's kernels and fused path against plain autograd);
 3. each kernel timed against its baselines (fla / Liger side by side when installed);
 4. end-to-end bf16 training throughput, peak memory and MFU per preset over a batch sweep,
    tick-by-tick generation tokens/s, the lever stack and the profiler breakdown (notebooks 01, 02);
@@ -78,9 +78,9 @@ def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[
     return rows
 
 
-def _kuramoto_case(device: torch.device, dry_run: bool):
+def kuramoto_case(device: torch.device, small: bool):
     """θ⁰ [M, N], ω, U, λ (leaves on the device) and an upstream gradient for ψ [M], fp32."""
-    M, N, r = (37, 8, 4) if dry_run else (1 << 17, 16, 8)  # 1b: 16 oscillators, rank 8
+    M, N, r = (37, 8, 4) if small else (1 << 17, 16, 8)  # 1b: 16 oscillators, rank 8
     g = torch.Generator().manual_seed(0)
     args = [3 * torch.randn(M, N, generator=g), 0.3 * torch.randn(N, generator=g),
             torch.randn(N, r, generator=g) / N ** 0.5, 0.5 + torch.rand(r, generator=g)]
@@ -88,18 +88,22 @@ def _kuramoto_case(device: torch.device, dry_run: bool):
 
 
 def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dict]:
-    """The fused clock (hand-written RK4 backward) vs plain autograd on the device, fp32:
-    ψ and every gradient (``timing``: forward+backward times of both instead)."""
+    """The clock's Triton kernels and its fused PyTorch path (hand-written RK4 backward) vs plain
+    autograd on the device, fp32: ψ and every gradient (``timing``: forward+backward times of all
+    three instead)."""
     from fractus.kernels.kuramoto import kuramoto_phase, kuramoto_phase_reference
-    args, dy = _kuramoto_case(device, dry_run)
-    fns = {"fused": kuramoto_phase, "reference": kuramoto_phase_reference}
+    args, dy = kuramoto_case(device, small=dry_run)
+    fns = {"triton": lambda *a: kuramoto_phase(*a, backend="triton"),
+           "torch": lambda *a: kuramoto_phase(*a, backend="torch"), "reference": kuramoto_phase_reference}
 
     def run(fn):
         psi = fn(*args, 0.1, 2, 0.1)
         return (psi, *torch.autograd.grad(psi, args, dy))
     if not timing:
-        return check_rows("kuramoto_phase[fused]", torch.float32, ("psi", "dtheta", "domega", "dU", "dlambda"),
-                          run(fns["fused"]), run(fns["reference"]), truth_name="plain autograd")
+        truth = run(fns["reference"])
+        return [r for name in ("triton", "torch") for r in check_rows(
+            f"kuramoto_phase[{name}]", torch.float32, ("psi", "dtheta", "domega", "dU", "dlambda"),
+            run(fns[name]), truth, truth_name="plain autograd")]
     times = {k: median_time(lambda fn=fn: run(fn), device=device) for k, fn in fns.items()}
     return [{"kernel": "kuramoto_phase", "impl": k, "tokens": args[0].shape[0], "oscillators": args[0].shape[1],
              "mode": "fwd+bwd", "time_s": t, "speedup_vs_reference": times["reference"] / t}

@@ -2,6 +2,6 @@
 
 Each module holds a plain fp32 reference, a fast PyTorch path for CPU, the Triton
 kernels with their autograd Function, and one public function that dispatches
-between them (see :func:`fractus.kernels.backend.pick`). The Kuramoto clock has no Triton
-kernel (it is O(tokens · N · rank)): a fused autograd Function with a hand-written backward.
+between them (see :func:`fractus.kernels.backend.pick`). The Kuramoto clock's reference is plain
+autograd; its fast PyTorch path is a fused autograd Function with a hand-written RK4 backward.
 """
