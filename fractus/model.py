@@ -239,10 +239,9 @@ class PhaseRoutedMoE(nn.Module):
         p = self.gate_logits(m, psi).float().softmax(-1)
         top_p, idx = p.topk(self.cfg.top_k, dim=-1)
         w = top_p / top_p.sum(-1, keepdim=True)
-        m = autocast_input(m)
-        experts = {k: autocast_input(v) for k, v in self.experts().items()}
+        m = autocast_input(m)  # the experts stay fp32: the kernels cast the tiles they load
         out = moe(m.reshape(B * T, d), idx.reshape(B * T, -1), w.reshape(B * T, -1).to(m.dtype),
-                  experts, backend=self.cfg.backend)
+                  self.experts(), backend=self.cfg.backend)
         return out.view(B, T, d), p, idx
 
 

@@ -120,9 +120,11 @@ def test_triton_forward_without_grad():
         assert_rel(moe(x, idx, w, ex, backend="triton"), moe_reference(x, idx, w, ex), 1e-5, "no-grad y")
 
 
+@pytest.mark.parametrize("masters", [False, True])
 @pytest.mark.parametrize("lowrank", [True, False])
-def test_triton_fp16_lowp(lowrank):
-    """fp16: error vs the fp32 truth within that of the fp16 PyTorch path (+ tol)."""
+def test_triton_fp16_lowp(lowrank, masters):
+    """fp16 tokens: error vs the fp32 truth within that of the fp16 PyTorch path (+ tol), with
+    fp16 experts or (``masters``, as under autocast) fp32 experts whose gradients stay fp32."""
     E, K, N = 7, 2, 13
     ex16 = make_experts(E, lowrank=lowrank, dtype=torch.float16)
     x16, idx, w16 = make_inputs(N, E, K, dtype=torch.float16)
@@ -130,8 +132,10 @@ def test_triton_fp16_lowp(lowrank):
     ex32 = {k: v.detach().float().requires_grad_() for k, v in ex16.items()}
     x32, w32 = x16.detach().float().requires_grad_(), w16.detach().float().requires_grad_()
     truth = run("reference", x32, idx, w32, ex32, dy16.float())
-    same = run("torch", x16, idx, w16, ex16, dy16)
-    got = run("triton", x16, idx, w16, ex16, dy16)
+    ex = ex32 if masters else ex16
+    same = run("torch", x16, idx, w16, ex, dy16)
+    got = run("triton", x16, idx, w16, ex, dy16)
     assert got[0].dtype == torch.float16
-    for name, a, b, t in zip(["y", "dx", "dw", *ex16], got, same, truth):
+    assert [g.dtype for g in got[3:]] == [v.dtype for v in ex.values()]
+    for name, a, b, t in zip(["y", "dx", "dw", *ex], got, same, truth):
         assert_lowp(a, b, t, 2e-3, f"triton fp16 {name}")

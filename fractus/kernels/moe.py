@@ -8,6 +8,10 @@ U2 [E, d, r], b2 [E, d], s2 [E]):
 Dense experts (keys W1 [E, d, F], b1 [E, F], W2 [E, F, d], b2 [E, d]):
     f_e(m) = gelu(m W1_e + b1_e) W2_e + b2_e
 gelu is the exact erf gelu. The expert kind is chosen by which keys are present.
+
+The experts may be in a wider dtype than x (fp32 masters under autocast): every path computes in
+x's dtype with fp32 accumulation, and the Triton kernels cast each weight tile as they load it,
+so no step copies all E experts and their gradients come back fp32.
 """
 from __future__ import annotations
 
@@ -254,10 +258,11 @@ def _lr_bwd_rows_kernel(dy_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_p
 @triton.autotune(configs=_configs(("BF",), ((32, 8, 3), (64, 8, 3), (32, 8, 2))), key=["F", "R"])
 @triton.jit
 def _lr_bwd_ff_kernel(offs_ptr, a1_ptr, da2_ptr, U1, b1, s1, V2, dU1, dV2, db1, F, r,
-                      PREC: tl.constexpr, BM: tl.constexpr, R: tl.constexpr, BF: tl.constexpr):
+                      CDT: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
+                      BF: tl.constexpr):
     """Weight gradients on the d_ff side for one (expert, BF block), fp32, looping over the
-    expert's rows: z recomputed from a1; dV2 = gelu(z)ᵀ da2, dU1 = dzᵀ (s1 a1), db1 = Σ dz."""
-    CDT = U1.dtype.element_ty
+    expert's rows: z recomputed from a1; dV2 = gelu(z)ᵀ da2, dU1 = dzᵀ (s1 a1), db1 = Σ dz.
+    CDT: the tokens' dtype, in which the dots run (the weights may be fp32 masters)."""
     e = tl.program_id(0).to(tl.int64)
     cf = tl.program_id(1) * BF + tl.arange(0, BF)
     fm = cf < F
@@ -444,6 +449,9 @@ class _Route:
         self.T = T
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
 def _prec(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
@@ -500,7 +508,7 @@ class _LowRankMoE(torch.autograd.Function):
         dU1, dV2 = _backend.empty(E, F, r, **f32), _backend.empty(E, F, r, **f32)
         db1 = _backend.empty(E, F, **f32)
         _lr_bwd_ff_kernel[lambda m: (E, triton.cdiv(F, m["BF"]))](
-            rt.offs, a1, da2, U1, b1, s1, V2, dU1, dV2, db1, F, r, PREC=prec, BM=BM, R=R)
+            rt.offs, a1, da2, U1, b1, s1, V2, dU1, dV2, db1, F, r, CDT=_TL_DTYPES[x.dtype], PREC=prec, BM=BM, R=R)
         dV1, dU2 = _backend.empty(E, d, r, **f32), _backend.empty(E, d, r, **f32)
         db2 = _backend.empty(E, d, **f32)
         _lr_bwd_model_kernel[lambda m: (E, triton.cdiv(d, m["BD"]))](
