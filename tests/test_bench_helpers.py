@@ -207,3 +207,16 @@ def test_in_fresh_process_returns_result_and_reraises():
     assert r["preset"] == "tiny" and r["tok_s"] > 0 and r["tok_s_best"] >= r["tok_s"]
     with pytest.raises(RuntimeError, match="unknown preset"):
         in_fresh_process("fractus.bench.train:measure_training", preset="nope")
+
+
+def test_gpu_launch_count_grows_with_layers_not_experts():
+    """Launches of the GPU's path (Triton launches captured): per layer a fixed number, whatever the
+    expert count; the CPU path's sorted MoE instead runs ops per expert."""
+    def recipe(**dims):
+        return L.Recipe(preset="tiny", vocab_size=256, tie_head=True, sparse_moe=True, fused_ce=True,
+                        chunk_len=16, batch_size=2, dims=tuple(dims.items()))
+    one, two = (P.gpu_launch_count(recipe(n_layers=n, n_experts=4)) for n in (1, 2))
+    assert 20 < two - one < 400  # a block: attention, clock, MoE and norms, forward and backward
+    assert P.gpu_launch_count(recipe(n_layers=1, n_experts=16)) == one
+    cpu = [P.op_count(recipe(n_layers=1, n_experts=e))["ops"] for e in (4, 16)]
+    assert cpu[1] > cpu[0]

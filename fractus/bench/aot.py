@@ -77,8 +77,7 @@ def _offline_driver(arch: int):
 def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
     """Replace every Triton kernel of ``module`` by a recorder of its launches (nothing runs:
     outputs stay as allocated)."""
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import KernelInterface  # JIT, autotuned and interpreted kernels alike
 
     class Recorder:
         def __init__(self, name, kernel):
@@ -89,7 +88,7 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
                 Launch(op, str(dtype).replace("torch.", ""), self.name, self.kernel, args, kwargs))
 
     kernels = {n: k for n, k in vars(module).items()
-               if isinstance(k, (Autotuner, JITFunction)) and n.endswith("_kernel")}
+               if isinstance(k, KernelInterface) and n.endswith("_kernel")}
     try:
         for n, k in kernels.items():
             setattr(module, n, Recorder(n, k))
@@ -172,20 +171,20 @@ def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=())
     for op in ops:
         module = importlib.import_module(f"fractus.kernels.{op}")
         for dtype in dtypes:
-            with capture(module, op, dtype, out), _triton_on_cpu(backend):
+            with capture(module, op, dtype, out), triton_on_cpu(backend):
                 OPS[op](dtype)
     for preset in presets:
         with ExitStack() as stack:
             for op in OPS:
                 module = importlib.import_module(f"fractus.kernels.{op}")
                 stack.enter_context(capture(module, f"model[{preset}]", torch.bfloat16, out))
-            stack.enter_context(_triton_on_cpu(backend))
+            stack.enter_context(triton_on_cpu(backend))
             _run_model(preset)
     return out
 
 
 @contextmanager
-def _triton_on_cpu(backend):
+def triton_on_cpu(backend):
     """Let the public functions pick their Triton path for CPU tensors (nothing is launched)."""
     pick = backend.pick
     backend.pick = lambda name, x: pick(name, x) if name != "triton" else "triton"

@@ -196,6 +196,11 @@ def _count_ops(recipe: Recipe, warmup: int = 1) -> float:
     it = _Iteration(recipe)
     for _ in range(warmup):
         it.run()
+    return _profiled_ops(it)
+
+
+def _profiled_ops(it: _Iteration) -> float:
+    """Kernel-launching ATen ops of one forward + backward of ``it`` (the optimizer excluded)."""
     with _quiet_native_stderr():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             it.run(mark=True)
@@ -238,6 +243,33 @@ def op_count(recipe: Recipe, timed: bool = False, iters: int = 3) -> dict[str, f
         out["step_s"] = statistics.median(sum(it.run()[:2]) for _ in range(iters))
         out["op_s"] = out["step_s"] / _count_ops(_tiny(recipe)) if L * E <= 64 else out["step_s"] / ops
     return out
+
+
+def gpu_launch_count(recipe: Recipe) -> int:
+    """Kernel launches of one bf16 micro-step (forward + backward) on the GPU's path: the ATen
+    ops that launch a kernel plus the Triton kernels' launches, counted on CPU at tiny widths
+    with the Triton path forced and its launches captured instead of run
+    (:func:`fractus.bench.aot.capture`). Unlike :func:`op_count` (the CPU path, whose sorted MoE
+    runs ops per expert) nothing here grows with the experts."""
+    import importlib
+    from contextlib import ExitStack
+    from dataclasses import replace
+
+    from fractus.bench import aot
+    from fractus.kernels import backend
+    tiny = _tiny(recipe)
+    tiny = replace(tiny, dims=tuple({**dict(tiny.dims), "backend": "triton"}.items()))
+    launches = []
+    with ExitStack() as stack:
+        for op in aot.OPS:
+            module = importlib.import_module(f"fractus.kernels.{op}")
+            stack.enter_context(aot.capture(module, op, torch.bfloat16, launches))
+        stack.enter_context(aot.triton_on_cpu(backend))
+        it = _Iteration(tiny, bf16=True)
+        it.run()
+        launches.clear()
+        aten = _profiled_ops(it)
+    return int(aten) + len(launches)
 
 
 def breakdown_rows(name: str, recipe: Recipe, iters: int = 5, prof_iters: int = 3,
