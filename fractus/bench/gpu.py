@@ -34,7 +34,7 @@ KERNELS = ("linear_attention", "moe", "cross_entropy")
 H200_BF16_DENSE_TFLOPS = 989.4  # datasheet peak, dense bf16
 # (preset, batch sizes, chunk_len) swept for end-to-end training on the GPU
 TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
-               ("palier2", (8, 64, 128), 128), ("palier3", (8, 32, 64), 128), ("1b", (8, 32, 64), 128)]
+               ("palier2", (8, 64, 128), 128), ("palier3", (8, 32, 64), 128), ("1b", (8, 32, 64, 128), 128)]
 DRY_SWEEP = [("tiny", (1, 2), 16)]
 
 
@@ -114,7 +114,8 @@ def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
     rows = []
     for preset in (("tiny",) if dry_run else ("palier0", "palier2", "1b")):
         cfg = FractusConfig.preset(preset, backend="triton" if dry_run else "auto")
-        model = FractusCTE(cfg).to(device).eval()
+        with device:
+            model = FractusCTE(cfg).eval()
         n_new = 4 if dry_run else 64
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not dry_run):
             model.generate([1, 2, 3], 2, temperature=0)  # compile / warm up

@@ -17,7 +17,8 @@ from fractus.train import choose_active_blocks, make_optimizer, micro_steps
 def _setup(preset, batch_size, chunk_len, accum, optimizer, lr, device, compile, seed, overrides):
     torch.manual_seed(seed)
     cfg = FractusConfig.preset(preset, chunk_len=chunk_len, **overrides)
-    model = FractusCTE(cfg).to(device)
+    with torch.device(device):  # initialised where it runs (a 1B model's CPU init takes seconds)
+        model = FractusCTE(cfg)
     opt = make_optimizer(model, optimizer, lr, 0.0)
     fwd = torch.compile(model) if compile else model
     g = torch.Generator().manual_seed(seed)
