@@ -204,8 +204,9 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     N = 13 if smoke else 257
     rows = []
     for lowrank in (True, False):
-        kernel = "moe_lowrank" if lowrank else "moe_dense"
-        for dtype in (torch.float32, lowp):
+        # (token dtype, fp32 master experts as the model passes them under autocast)
+        for dtype, masters in ((torch.float32, False), (lowp, False), (lowp, True)):
+            kernel = ("moe_lowrank" if lowrank else "moe_dense") + ("[fp32 experts]" if masters else "")
             try:
                 x, idx, w, ex = make_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device)
                 dy = torch.randn(N, dims["d"], generator=torch.Generator().manual_seed(1)).to(device, dtype)
@@ -214,8 +215,10 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
                     y = fn(x, idx, w, ex)
                     return (y, *torch.autograd.grad(y, _params(x, w, ex), dy))
 
-                got = run(_impl("triton"), x, w, ex, dy)
                 up = {k: v.detach().float().requires_grad_() for k, v in ex.items()}
+                if masters:
+                    ex = {k: v.detach().clone().requires_grad_() for k, v in up.items()}
+                got = run(_impl("triton"), x, w, ex, dy)
                 x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
                 truth = run(moe_reference, x32, w32, up, dy.float())
                 same = run(_impl("torch"), x, w, ex, dy) if dtype != torch.float32 else None
