@@ -154,7 +154,7 @@ class LinearAttention(nn.Module):
         B, T, d = h.shape
         H, D = self.cfg.n_heads, self.cfg.d_head
         q, k, v = self.qkv(self.ln(h)).view(B, T, 3, H, D).unbind(2)
-        decay = None if bool((self.decay == 1).all()) else self.decay
+        decay = None if all(g == 1 for g in self.cfg.decays) else self.decay  # from the config: no sync
         o, new_state = linear_attention(q, k, v, self.level_logits.softmax(0), self.omegas,
                                         decay=decay, state=state, eps=self.cfg.eps,
                                         backend=self.cfg.backend)
@@ -320,9 +320,10 @@ class FractusCTE(nn.Module):
     def check_tokens(self, idx: torch.Tensor) -> None:
         if idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be int64/int32, got {idx.dtype}")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min "
-                             f"{int(idx.min())}, max {int(idx.max())}")
+        if idx.numel():
+            lo, hi = torch.stack(torch.aminmax(idx)).tolist()  # one device sync
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min {lo}, max {hi}")
 
     def run_blocks(self, x: torch.Tensor, state: State | None):
         """x [B, T, d] → (final normed hidden [B, T, d], new state, lb total, routing)."""
@@ -340,7 +341,8 @@ class FractusCTE(nn.Module):
         """idx [B, T] → (logits [B, T, V] or None when targets are given, parts, new state).
 
         parts: ``loss`` = ce + lb_coef·lb (None without targets), ``ce`` (nats/token, mean over
-        supervised positions), ``lb`` (sum over blocks), ``n`` (supervised positions),
+        supervised positions), ``lb`` (sum over blocks), ``n`` (supervised positions, a 0-dim
+        tensor: reading it waits for the device),
         ``routing`` [(expert ids [B, T, K], probs [B, T, E]) per block]. With targets the
         fused tied-head cross-entropy runs and logits are not formed. ``head_positions="last"``
         supervises only the chunk's last position (the original's head-partial).
@@ -376,8 +378,8 @@ class FractusCTE(nn.Module):
             if positions is not None:
                 h, targets = h[positions], targets[positions]
             ce = F.cross_entropy(self.logits(h).float(), targets)
-        parts.update(ce=ce, loss=ce + self.cfg.lb_coef * lb,
-                     n=B if positions is not None else int((targets != -100).sum()))
+        scored = targets if positions is None else targets[positions]
+        parts.update(ce=ce, loss=ce + self.cfg.lb_coef * lb, n=(scored != -100).sum())
         return None, parts, new_state
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

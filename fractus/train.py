@@ -141,9 +141,12 @@ def micro_steps(fwd, batches, state, accum: int, head_positions: str, device: to
     """Forward + backward over ``accum`` chunks of ``batches`` ((x, y, new_epoch) triples),
     carrying the detached state; gradients accumulate, scaled by 1/accum.
 
-    Returns (mean CE, mean lb, state, finite); stops at the first non-finite loss.
+    Returns (mean CE, mean lb, state, finite); with a non-finite loss the gradients are garbage
+    and the caller drops them. Every micro-step runs its backward, finite or not, so that under
+    DDP every rank makes the same all-reduces; the losses are read once per micro-step, after
+    the backward is queued.
     """
-    ce_sum, lb_sum = 0.0, 0.0
+    ce_sum, lb_sum, finite = 0.0, 0.0, True
     for x, y, new_epoch in batches:
         x, y = x.to(device), y.to(device)
         if new_epoch:
@@ -151,11 +154,12 @@ def micro_steps(fwd, batches, state, accum: int, head_positions: str, device: to
         with autocast(device, bf16):
             _, parts, state = fwd(x, state, y, head_positions)
         state = FractusCTE.detach_state(state)
-        if not torch.isfinite(parts["loss"]):
-            return float("nan"), float("nan"), state, False
         (parts["loss"] / accum).backward()
-        ce_sum += parts["ce"].item()
-        lb_sum += parts["lb"].item()
+        loss, ce, lb = torch.stack([parts["loss"].detach(), parts["ce"].detach(), parts["lb"].detach()]).tolist()
+        finite = finite and math.isfinite(loss)
+        ce_sum, lb_sum = ce_sum + ce, lb_sum + lb
+    if not finite:
+        return float("nan"), float("nan"), state, False
     return ce_sum / accum, lb_sum / accum, state, True
 
 

@@ -16,7 +16,7 @@ import torch
 from fractus.checkpoint import load_checkpoint, save_checkpoint
 from fractus.data import TokenStreams, load_tokens, prepare
 from fractus.model import FractusConfig, FractusCTE
-from fractus.train import NonFiniteLoss, choose_active_blocks, main, train
+from fractus.train import NonFiniteLoss, choose_active_blocks, main, micro_steps, train
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80  # optimizer steps of the reference run (2 streams × 16 tokens each)
@@ -185,6 +185,24 @@ def test_nan_step_is_skipped_with_a_message(data, tmp_path, monkeypatch, capsys)
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6, 6]
     assert all(np.isfinite(float(r["train_ce"])) for r in rows)
     assert load_checkpoint(out / "ckpt.pt")["data_position"] == 7, "the bad chunk is skipped"
+
+
+def test_every_micro_step_runs_its_backward_when_a_loss_is_nan():
+    """Under DDP every rank must make the same all-reduces: a non-finite loss on one rank's first
+    micro-step still runs that backward and the later micro-steps' (the caller drops the gradients)."""
+    model = FractusCTE(FractusConfig.preset("tiny"))
+    backwards = []
+    model.embed.weight.register_hook(lambda g: backwards.append(1))
+
+    def fwd(x, state, y, head_positions):
+        _, parts, state = model(x, state, y, head_positions)
+        if not backwards:
+            parts = {**parts, "loss": parts["loss"] * float("nan")}
+        return None, parts, state
+    x = torch.randint(0, 512, (2, 9))
+    ce, lb, _, finite = micro_steps(fwd, iter([(x[:, :-1], x[:, 1:], False)] * 3), None, 3, "all",
+                                    torch.device("cpu"), False)
+    assert not finite and np.isnan(ce) and np.isnan(lb) and len(backwards) == 3
 
 
 def test_repeated_nan_stops_after_saving(data, tmp_path, monkeypatch, capsys):

@@ -37,8 +37,7 @@ def _check(h, weight, targets, positions, reduction, softcap):
         if positions.dim() != 1:
             raise ValueError(f"positions must be [M], got {tuple(positions.shape)}")
         if positions.numel():
-            lo, hi = torch.aminmax(positions)
-            lo, hi = int(lo), int(hi)
+            lo, hi = torch.stack(torch.aminmax(positions)).tolist()  # one device sync
             if lo < 0 or hi >= h.shape[0]:
                 raise ValueError(f"positions must lie in [0, {h.shape[0]}), got range [{lo}, {hi}]")
 
@@ -47,8 +46,7 @@ def _scored_targets(targets, positions, ignore_index, V):
     """Targets of the scored rows [M]; raises ValueError on a target outside [0, V) (one aminmax)."""
     t = targets if positions is None else targets[positions]
     if t.numel():
-        lo, hi = torch.aminmax(torch.where(t == ignore_index, torch.zeros_like(t), t))
-        lo, hi = int(lo), int(hi)
+        lo, hi = torch.stack(torch.aminmax(torch.where(t == ignore_index, torch.zeros_like(t), t))).tolist()
         if lo < 0 or hi >= V:
             raise ValueError(f"targets must lie in [0, {V}) or equal ignore_index={ignore_index}; "
                              f"got a target in [{lo}, {hi}]")
