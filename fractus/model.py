@@ -371,14 +371,12 @@ class FractusCTE(nn.Module):
         elif head_positions != "all":
             raise ValueError(f"head_positions must be 'all' or 'last', got {head_positions!r}")
         h, targets = h.reshape(B * T, d), targets.reshape(-1)
+        scored = targets if positions is None else targets[positions]
         if self.cfg.fused_ce:
             ce = linear_cross_entropy(autocast_input(h), self.head_weight(), targets, positions=positions,
                                       backend=self.cfg.backend)
         else:
-            if positions is not None:
-                h, targets = h[positions], targets[positions]
-            ce = F.cross_entropy(self.logits(h).float(), targets)
-        scored = targets if positions is None else targets[positions]
+            ce = F.cross_entropy(self.logits(h if positions is None else h[positions]).float(), scored)
         parts.update(ce=ce, loss=ce + self.cfg.lb_coef * lb, n=(scored != -100).sum())
         return None, parts, new_state
 
