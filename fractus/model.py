@@ -174,6 +174,8 @@ class KuramotoClock(nn.Module):
         self.U = nn.Parameter(torch.randn(N, cfg.coupling_rank) / math.sqrt(N))
         self.lam = nn.Parameter(torch.full((cfg.coupling_rank,), 0.5))
         self.register_buffer("offsets", 2 * math.pi * torch.arange(N) / N, persistent=False)
+        if cfg.detach_kuramoto:  # no gradient reaches a detached clock: frozen, so DDP and optimizers skip it
+            self.requires_grad_(False)
 
     def integrate(self, u: torch.Tensor) -> torch.Tensor:
         """u [.., d] → ψ [..]: θ⁰ = u·W_θ + b_θ + 2πn/N, RK4 steps of dθ/dt = ω − damping·θ +

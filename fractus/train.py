@@ -8,7 +8,8 @@ optimizer, scheduler, data position, carried state and RNG, and are written atom
 ``--resume`` continues exactly. ``--grow-from CKPT`` starts from a checkpoint grown to the
 preset (:mod:`fractus.grow`: same logits) with a fresh optimizer. SIGINT/SIGTERM save and exit.
 Several processes:
-``torchrun --nproc_per_node=N -m fractus.train …`` (DDP; gloo on CPU, NCCL on CUDA).
+``torchrun --nproc_per_node=N -m fractus.train …`` (DDP; gloo on CPU, NCCL on CUDA; gradients are
+all-reduced once per optimizer step, on its last micro-step).
 """
 from __future__ import annotations
 
@@ -137,9 +138,11 @@ def autocast(device: torch.device, bf16: bool):
     return contextlib.nullcontext()
 
 
-def micro_steps(fwd, batches, state, accum: int, head_positions: str, device: torch.device, bf16: bool):
+def micro_steps(fwd, batches, state, accum: int, head_positions: str, device: torch.device, bf16: bool,
+                no_sync=None):
     """Forward + backward over ``accum`` chunks of ``batches`` ((x, y, new_epoch) triples),
-    carrying the detached state; gradients accumulate, scaled by 1/accum.
+    carrying the detached state; gradients accumulate, scaled by 1/accum. ``no_sync``: DDP's
+    ``no_sync`` (gradients are all-reduced on the last micro-step only).
 
     Returns (mean CE, mean lb, state, finite); with a non-finite loss the gradients are garbage
     and the caller drops them. Every micro-step runs its backward, finite or not, so that under
@@ -147,14 +150,15 @@ def micro_steps(fwd, batches, state, accum: int, head_positions: str, device: to
     the backward is queued.
     """
     ce_sum, lb_sum, finite = 0.0, 0.0, True
-    for x, y, new_epoch in batches:
+    for i, (x, y, new_epoch) in enumerate(batches):
         x, y = x.to(device), y.to(device)
         if new_epoch:
             state = None
-        with autocast(device, bf16):
-            _, parts, state = fwd(x, state, y, head_positions)
+        with no_sync() if no_sync is not None and i < accum - 1 else contextlib.nullcontext():
+            with autocast(device, bf16):
+                _, parts, state = fwd(x, state, y, head_positions)
+            (parts["loss"] / accum).backward()
         state = FractusCTE.detach_state(state)
-        (parts["loss"] / accum).backward()
         loss, ce, lb = torch.stack([parts["loss"].detach(), parts["ce"].detach(), parts["lb"].detach()]).tolist()
         finite = finite and math.isfinite(loss)
         ce_sum, lb_sum = ce_sum + ce, lb_sum + lb
@@ -357,7 +361,7 @@ def train(argv=None) -> dict:
             state_before, pos_before = state, streams.position
             batches = (streams.next() for _ in range(args.accum))
             ce, lb, state, finite = micro_steps(fwd, batches, state, args.accum, args.head_positions,
-                                                device, bf16)
+                                                device, bf16, net.no_sync if world > 1 else None)
             if world > 1:
                 flag = torch.tensor([float(finite)], device=device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)

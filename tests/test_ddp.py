@@ -15,14 +15,15 @@ from util import rel_err
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch build has no gloo backend")
-def test_ddp_step_equals_single_process_step(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--detach-kuramoto"]])  # detached: parameters without gradients
+def test_ddp_step_equals_single_process_step(tmp_path, extra):
     data = make_corpus(tmp_path)
     # One optimizer step of 2 micro-steps over 4 streams: 2 per process, or 4 in one process.
     # SGD (its update is proportional to the gradient, unlike Adam's first step) and lb_coef = 0:
     # the load-balance term is computed from each process's own tokens, so it is not additive.
     common = ["--preset", "tiny", "--data", str(data), "--tokens", "128", "--chunk-len", "16",
               "--accum", "2", "--optimizer", "sgd", "--lr", "1.0", "--warmup", "1", "--lb-coef", "0",
-              "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--threads", "1"]
+              "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--threads", "1", *extra]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     ddp = subprocess.run([*torchrun, "-m", "fractus.train", *common, "--batch-size", "2",
                           "--out", str(tmp_path / "ddp")], cwd=ROOT, capture_output=True, text=True, timeout=300)
