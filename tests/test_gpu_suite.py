@@ -7,7 +7,7 @@ from fractus.bench.gpu import KERNELS, run_suite
 def test_gpu_suite_dry_run(tmp_path):
     tables = run_suite(tmp_path, dry_run=True)
     assert tables["failures"].empty, tables["failures"].to_dict("records")
-    for name in ["ceilings", "train_throughput", "generation", "levers", "profile"] + [
+    for name in ["ceilings", "precompile", "train_throughput", "generation", "levers", "profile"] + [
             f"{s}_{k}" for k in (*KERNELS, "kuramoto") for s in ("correctness", "timing")]:
         df = pd.read_csv(tmp_path / f"{name}.csv")
         assert len(df) and {"git_sha", "device", "torch", "triton", "date"} <= set(df.columns), name
@@ -18,6 +18,8 @@ def test_gpu_suite_dry_run(tmp_path):
     clock = pd.read_csv(tmp_path / "correctness_kuramoto.csv")
     assert clock["passed"].all() and len(clock) == 10, clock.to_dict("records")  # 5 checks × triton, torch
     assert set(clock["kernel"]) == {"kuramoto_phase[triton]", "kuramoto_phase[torch]"}
+    pre = pd.read_csv(tmp_path / "precompile.csv")  # two workers compiled the clock's kernels for sm_90
+    assert len(pre) == 2 and pre["compiled"].sum() == 3 and (pre["failed"] == 0).all()
     train = pd.read_csv(tmp_path / "train_throughput.csv")
     assert (train["tok_s"] > 0).all() and (train["mfu"] > 0).all()
     assert (tmp_path / "provenance.json").exists()

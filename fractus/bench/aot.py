@@ -14,11 +14,13 @@ Run it with ``TRITON_INTERPRET`` unset (the CLI checks): the kernels must be rea
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import re
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,44 +229,83 @@ def compile_rows(arch: int = 90, ops=tuple(OPS), dtypes=(torch.float32, torch.bf
     ``presets``: also each preset's training step and decode step (op ``model[preset]``); a kernel
     an earlier op compiled is listed again with its compile seconds near 0."""
     check_environment()
-    from triton.runtime.autotuner import Autotuner
     from triton.runtime.driver import driver
     captured = launches(ops, dtypes, presets)
     previous = driver._active
     driver.set_active(_offline_driver(arch))
     rows, seen = [], set()
     try:
-        for L in captured:
-            tuned = isinstance(L.kernel, Autotuner)
-            fn = L.kernel.fn if tuned else L.kernel
-            configs = (L.kernel.configs if all_configs else L.kernel.configs[:1]) if tuned else [None]
-            for cfg in configs:
-                kw = dict(L.kwargs, **(cfg.all_kwargs() if cfg is not None else {}))
-                const = {k: v for k, v in kw.items() if k not in _OPTIONS}
-                row = {"op": L.op, "kernel": L.name, "dtype": L.dtype,
-                       "constexprs": " ".join(f"{k}={v}" for k, v in sorted(const.items())),
-                       "num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3),
-                       "target": f"sm_{arch}"}
-                t0 = time.perf_counter()
-                try:
-                    k = fn.warmup(*L.args, grid=(1,), **kw)
-                    if (L.op, k.hash) in seen:  # the same specialisation launched again
-                        continue
-                    seen.add((L.op, k.hash))
-                    row.update(compiled=True, shared_bytes=k.metadata.shared, mma=_mma(k.asm["ptx"]),
-                               **_resources(k, arch))
-                    row["fits_shared"] = row["shared_bytes"] <= SHARED_LIMIT[arch]
-                except Exception as e:  # a failure is a row; the others still compile
-                    row.update(compiled=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-                row["compile_s"] = round(time.perf_counter() - t0, 2)
-                rows.append(row)
-                print(_line(row), flush=True)
+        for L, fn, kw in _compiles(captured, all_configs):
+            const = {k: v for k, v in kw.items() if k not in _OPTIONS}
+            row = {"op": L.op, "kernel": L.name, "dtype": L.dtype,
+                   "constexprs": " ".join(f"{k}={v}" for k, v in sorted(const.items())),
+                   "num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3),
+                   "target": f"sm_{arch}"}
+            t0 = time.perf_counter()
+            try:
+                k = fn.warmup(*L.args, grid=(1,), **kw)
+                if (L.op, k.hash) in seen:  # the same specialisation launched again
+                    continue
+                seen.add((L.op, k.hash))
+                row.update(compiled=True, shared_bytes=k.metadata.shared, mma=_mma(k.asm["ptx"]),
+                           **_resources(k, arch))
+                row["fits_shared"] = row["shared_bytes"] <= SHARED_LIMIT[arch]
+            except Exception as e:  # a failure is a row; the others still compile
+                row.update(compiled=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            row["compile_s"] = round(time.perf_counter() - t0, 2)
+            rows.append(row)
+            print(_line(row), flush=True)
     finally:
         driver._active = previous
     return rows
 
 
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def _compiles(captured: list[Launch], all_configs: bool = True):
+    """(launch, JIT function, keyword arguments) of every captured launch × autotune config."""
+    from triton.runtime.autotuner import Autotuner
+    for L in captured:
+        tuned = isinstance(L.kernel, Autotuner)
+        fn = L.kernel.fn if tuned else L.kernel
+        for cfg in ((L.kernel.configs if all_configs else L.kernel.configs[:1]) if tuned else [None]):
+            yield L, fn, dict(L.kwargs, **(cfg.all_kwargs() if cfg is not None else {}))
+
+
+def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None) -> dict:
+    """Compile every ``workers``-th (launch, config) pair from ``shard`` on, for this machine's
+    GPU (or offline for sm_``arch``), into Triton's on-disk cache."""
+    from triton.runtime.driver import driver
+    if arch is not None:
+        driver.set_active(_offline_driver(arch))
+    t0, done, failed = time.perf_counter(), 0, []
+    for L, fn, kw in list(_compiles(launches(ops, presets=presets)))[shard::workers]:
+        try:
+            fn.warmup(*L.args, grid=(1,), **kw)
+            done += 1
+        except Exception as e:  # reported; the launch compiles again (and fails visibly) when it runs
+            failed.append(f"{L.name}: {type(e).__name__}: {str(e)[:200]}")
+    return {"worker": shard, "compiled": done, "failed": len(failed), "errors": " | ".join(failed)[:1000],
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | None = None) -> list[dict]:
+    """Fill Triton's on-disk cache with every captured launch × autotune config, compiled in
+    ``workers`` processes at once, so that a run's launches and autotuning load binaries instead
+    of compiling them one at a time (the cache key is the same: source, target, options,
+    argument dtypes and alignment). For this machine's GPU, or offline for sm_``arch``. The
+    workers compile real kernels even when this process runs the interpreter. One row per worker."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # read by the spawned workers when they import triton
+    try:  # a worker that dies raises BrokenProcessPool here (a Pool would replace it forever)
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            return list(pool.map(_precompile_shard, range(workers), *zip(*[(workers, ops, presets, arch)] * workers)))
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def _line(row: dict) -> str:

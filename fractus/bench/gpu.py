@@ -1,6 +1,7 @@
 """The GPU suite: ``python -m fractus.bench gpu --out results/gpu`` (one command, < 8 min on an H200).
 
 1. provenance and the device's ceilings (device-to-device copy GB/s, large bf16 matmul TFLOP/s);
+   then every kernel compiled in parallel processes into Triton's cache (:func:`aot.precompile`);
 2. every Triton kernel compiled for real and checked against its reference in fp32 and bf16
    (and the Kuramoto clock's kernels and fused path against plain autograd);
 3. each kernel timed against its baselines (fla / Liger side by side when installed);
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import time
 import traceback
 from pathlib import Path
@@ -24,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from fractus.bench import levers, profile
+from fractus.bench import aot, levers, profile
 from fractus.bench.common import check_rows, median_time, provenance, write_csv
 from fractus.bench.costmodel import flops_per_token
 from fractus.bench.train import measure_training
@@ -51,6 +53,16 @@ def ceilings(device: torch.device, dry_run: bool) -> dict:
     t_mm = median_time(lambda: a @ b, device=device)
     return {"copy_gbs": 2 * n_copy / t_copy / 1e9, "matmul_tflops": 2 * n ** 3 / t_mm / 1e12,
             "matmul_n": n, "matmul_dtype": str(dtype).replace("torch.", ""), "copy_bytes": n_copy}
+
+
+def precompile_rows(dry_run: bool) -> list[dict]:
+    """Every kernel the suite launches (the ops' and palier0's and palier2's steps, every autotune
+    config) compiled in parallel processes into Triton's cache first, so that later stages load
+    binaries instead of compiling one at a time. Dry run: two workers compile the clock's kernels
+    offline for sm_90."""
+    if dry_run:
+        return aot.precompile(2, ops=("kuramoto",), presets=(), arch=90)
+    return aot.precompile(max(1, min(16, (os.cpu_count() or 2) - 1)), presets=("palier0", "palier2"))
 
 
 def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[dict]:
@@ -167,6 +179,7 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
 
     ceil = {}
     stage("ceilings", lambda: [ceil.update(ceilings(device, dry_run)) or ceil])
+    stage("precompile", lambda: precompile_rows(dry_run))
     for k in KERNELS:
         mod = importlib.import_module(f"fractus.bench.{k}")
         stage(f"correctness_{k}", lambda mod=mod: mod.correctness_rows(device, smoke=dry_run))
