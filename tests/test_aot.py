@@ -46,3 +46,19 @@ def test_aot_refuses_the_interpreter(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "unset TRITON_INTERPRET" in r.stderr
     assert not (tmp_path / "aot_sm90.csv").exists()
+
+
+def test_precompile_fills_the_cache_later_compiles_hit(tmp_path):
+    """The GPU suite's precompile stage: parallel workers compile the captured launches into Triton's
+    cache; compiling the same launches afterwards adds nothing to it (every one a cache hit)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    code = ("from pathlib import Path; from fractus.bench import aot\n"
+            "rows = aot.precompile(2, ops=('kuramoto',), presets=(), arch=90)\n"
+            "n = len(list(Path(r'%s').rglob('*.cubin')))\n"
+            "aot.compile_rows(90, ops=('kuramoto',))\n"
+            "print(sum(r['compiled'] for r in rows), n, len(list(Path(r'%s').rglob('*.cubin'))))" % (tmp_path, tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    compiled, before, after = map(int, r.stdout.split()[-3:])
+    assert compiled == 3 and before == 3 and after == before
