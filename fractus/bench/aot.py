@@ -11,6 +11,8 @@ compiler rejects; this catches those before any GPU time is spent. It does not r
 correctness and speed still need the device (``python -m fractus.bench gpu``).
 
 Run it with ``TRITON_INTERPRET`` unset (the CLI checks): the kernels must be real JIT functions.
+:func:`precompile` compiles the same captured launches in parallel processes into Triton's
+on-disk cache, for the GPU at hand: the GPU suite's first stage.
 """
 from __future__ import annotations
 
