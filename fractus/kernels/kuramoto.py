@@ -79,7 +79,7 @@ class _KuramotoFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, theta0, omega, U, lam, dt, steps, damping):
-        K = (U * lam) @ U.T
+        K = _coupling(U, lam)
         psi, theta, stages = _integrate(theta0, omega, K, dt, steps, damping, keep=True)
         ctx.save_for_backward(U, lam, K, theta, *(t for st in stages for t in st))
         ctx.consts = (dt, steps, damping)
@@ -112,6 +112,11 @@ class _KuramotoFn(torch.autograd.Function):
                 a_k = v * (_STAGE_STEP[i] * dt) if i else None
             a = a_theta
         return a, g_omega, *_coupling_grads(G, U, lam), None, None, None
+
+
+def _coupling(U, lam):
+    """K = U diag(λ) Uᵀ [N, N] (symmetric)."""
+    return (U * lam) @ U.T
 
 
 def _coupling_grads(G, U, lam):
@@ -241,15 +246,17 @@ def _blocks(N: int) -> dict:
     return dict(BLOCK_M=_BLOCK_M, BLOCK_N=max(16, triton.next_power_of_2(N)), num_warps=8)
 
 
-def _clock_forward(theta0, omega, K, dt, steps, damping, save: bool):
-    """Forward launch: ψ [M] in fp32 and (when ``save``) θ at every step boundary [steps + 1, M, N]."""
+def _clock_forward(theta0, omega, U, lam, dt, steps, damping, save: bool):
+    """Forward launch: ψ [M] in fp32, (when ``save``) θ at every step boundary [steps + 1, M, N],
+    Σ cos θ / Σ sin θ [2, M], and the fp32 ω and K the kernels read."""
     M, N = theta0.shape
+    theta0, omega, K = theta0.contiguous(), omega.float().contiguous(), _coupling(U, lam).float().contiguous()
     xy = _backend.empty(2, M, dtype=torch.float32, device=theta0.device)
     thetas = _backend.empty(steps + 1, M, N, dtype=torch.float32, device=theta0.device) if save else None
     _kuramoto_fwd_kernel[(triton.cdiv(M, _BLOCK_M),)](
         theta0, omega, K, xy if thetas is None else thetas, xy, M, N, float(dt), float(damping),
         STEPS=steps, SAVE=save, **_blocks(N))
-    return torch.atan2(xy[1], xy[0]), thetas, xy
+    return torch.atan2(xy[1], xy[0]), thetas, xy, omega, K
 
 
 class _KuramotoTritonFn(torch.autograd.Function):
@@ -257,9 +264,7 @@ class _KuramotoTritonFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, theta0, omega, U, lam, dt, steps, damping):
-        K = ((U * lam) @ U.T).float().contiguous()
-        omega32 = omega.float().contiguous()
-        psi, thetas, xy = _clock_forward(theta0.contiguous(), omega32, K, dt, steps, damping, save=True)
+        psi, thetas, xy, omega32, K = _clock_forward(theta0, omega, U, lam, dt, steps, damping, save=True)
         ctx.save_for_backward(thetas, xy, omega32, K, U, lam)
         ctx.consts = (dt, steps, damping, theta0.dtype, omega.dtype)
         return psi.to(theta0.dtype)
@@ -295,9 +300,7 @@ def kuramoto_phase(theta0, omega, U, lam, dt: float, steps: int, damping: float,
     if path == "triton":
         if grad:
             return _KuramotoTritonFn.apply(theta0, omega, U, lam, dt, steps, damping)
-        K = ((U * lam) @ U.T).float().contiguous()
-        psi = _clock_forward(theta0.contiguous(), omega.float().contiguous(), K, dt, steps, damping, save=False)[0]
-        return psi.to(theta0.dtype)
+        return _clock_forward(theta0, omega, U, lam, dt, steps, damping, save=False)[0].to(theta0.dtype)
     if grad:
         return _KuramotoFn.apply(theta0, omega, U, lam, dt, steps, damping)
-    return _integrate(theta0, omega, (U * lam) @ U.T, dt, steps, damping, keep=False)[0]
+    return _integrate(theta0, omega, _coupling(U, lam), dt, steps, damping, keep=False)[0]
