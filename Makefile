@@ -9,7 +9,10 @@ RUN ?= runs/demo
 TOKENS ?= 3000000
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench-cpu bench-gpu notebooks clean
+# the baselines the GPU suite times side by side (pure-Python wheels, carried to a GPU machine without network)
+BASELINE_WHEELS ?= fla-core==0.6.0 liger-kernel==0.8.5
+
+.PHONY: setup demo test bench-cpu bench-gpu gpu-wheels notebooks clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +41,9 @@ bench-cpu: setup
 
 bench-gpu: setup
 	$(BIN)/python -m fractus.bench gpu --out results/gpu
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d .whl $(BASELINE_WHEELS)
 
 notebooks: setup
 	for nb in notebooks/[0-9]*.ipynb; do \

@@ -62,3 +62,29 @@ def test_precompile_fills_the_cache_later_compiles_hit(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     compiled, before, after = map(int, r.stdout.split()[-3:])
     assert compiled == 3 and before == 3 and after == before
+
+
+def test_specialisations_follow_heuristics_and_pruned_autotune_configs():
+    """What precompile compiles for a launch of a kernel wrapped as fla wraps its kernels
+    (heuristics around an autotuner with an early prune): the JIT function with the heuristic's
+    value and each config the autotuner keeps."""
+    import torch
+    import triton
+    import triton.language as tl
+    from fractus.bench import aot
+
+    @triton.heuristics({"HAS_B": lambda a: a["b_ptr"] is not None})
+    @triton.autotune([triton.Config({"BLOCK": b}, num_warps=w) for b in (16, 32, 64) for w in (2, 4)], key=["n"],
+                     prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw:
+                                       [c for c in cfgs if c.kwargs["BLOCK"] <= nargs["n"]]})
+    @triton.jit
+    def toy_kernel(x_ptr, b_ptr, n, BLOCK: tl.constexpr, HAS_B: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32))
+
+    args = (torch.zeros(64), None, 40)
+    got = list(aot._specialisations(toy_kernel, args, {}, all_configs=True))
+    assert all(fn is toy_kernel.fn.fn for fn, _ in got)
+    assert sorted((kw["BLOCK"], kw["num_warps"], kw["HAS_B"]) for _, kw in got) == \
+        [(16, 2, False), (16, 4, False), (32, 2, False), (32, 4, False)]
+    first = list(aot._specialisations(toy_kernel, args, {}, all_configs=False))
+    assert [(kw["BLOCK"], kw["num_warps"]) for _, kw in first] == [(16, 2)]

@@ -12,7 +12,8 @@ correctness and speed still need the device (``python -m fractus.bench gpu``).
 
 Run it with ``TRITON_INTERPRET`` unset (the CLI checks): the kernels must be real JIT functions.
 :func:`precompile` compiles the same captured launches in parallel processes into Triton's
-on-disk cache, for the GPU at hand: the GPU suite's first stage.
+on-disk cache, for the GPU at hand: the GPU suite's first stage; with fla's kernels when it is
+installed (``baselines``), so that its autotuning loads binaries too.
 """
 from __future__ import annotations
 
@@ -91,8 +92,7 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
             return lambda *args, **kwargs: launches.append(
                 Launch(op, str(dtype).replace("torch.", ""), self.name, self.kernel, args, kwargs))
 
-    kernels = {n: k for n, k in vars(module).items()
-               if isinstance(k, KernelInterface) and n.endswith("_kernel")}
+    kernels = {n: k for n, k in vars(module).items() if isinstance(k, KernelInterface) and "kernel" in n}
     try:
         for n, k in kernels.items():
             setattr(module, n, Recorder(n, k))
@@ -147,6 +147,20 @@ def _run_kuramoto(dtype):
 
 OPS = {"linear_attention": _run_linear_attention, "moe": _run_moe, "cross_entropy": _run_cross_entropy,
        "kuramoto": _run_kuramoto}
+
+
+def _run_fla():
+    """fla's chunk_linear_attn as the GPU suite times it (bf16, 40 level·heads, D=64), forward and
+    backward, on the GPU when there is one (its wrappers pick configs by the device they find)."""
+    from fractus.bench.linear_attention import _fla_fn, make_inputs, omegas
+    q, k, v, w, _, _ = make_inputs(8, 2048, 20, 64, 2, dtype=torch.bfloat16,
+                                   device="cuda" if torch.cuda.is_available() else "cpu")
+    _fla_fn()[0](q, k, v, w, omegas(2)).float().sum().backward()
+
+
+# baselines timed side by side when installed: (package, what to run); every module of the
+# package is captured (its kernels are launched from several)
+BASELINES = {"fla": ("fla.ops.linear_attn", _run_fla)}
 PRESETS = ("palier0", "palier1", "palier2", "palier3", "1b")
 
 
@@ -165,10 +179,11 @@ def _run_model(preset: str) -> None:
             model.step(x[:, :1], FractusCTE.detach_state(state))
 
 
-def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=()) -> list[Launch]:
+def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(), baselines=()) -> list[Launch]:
     """Run each op's Triton path forward and backward, and each preset's model (bf16 autocast),
-    on CPU with launches captured."""
+    on CPU with launches captured; then each of ``baselines`` that is installed (op ``baseline[name]``)."""
     import importlib
+    import sys
     from contextlib import ExitStack
     from fractus.kernels import backend
     out: list[Launch] = []
@@ -185,6 +200,21 @@ def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=())
                 stack.enter_context(capture(module, f"model[{preset}]", dtype, out))
             stack.enter_context(triton_on_cpu(backend))
             _run_model(preset)
+    for name in baselines:
+        entry, run = BASELINES[name]
+        try:
+            importlib.import_module(entry)
+        except ImportError:
+            continue
+        package, first = entry.split(".")[0], len(out)
+        try:
+            with ExitStack() as stack:
+                for mod in [m for n, m in list(sys.modules.items()) if n.split(".")[0] == package and m is not None]:
+                    stack.enter_context(capture(mod, f"baseline[{name}]", torch.bfloat16, out))
+                run()
+        except Exception as e:  # a baseline is compiled when it is timed instead (its error recorded there)
+            del out[first:]
+            print(f"baseline {name}: launches not captured ({type(e).__name__}: {e})", flush=True)
     return out
 
 
@@ -267,22 +297,38 @@ _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 def _compiles(captured: list[Launch], all_configs: bool = True):
     """(launch, JIT function, keyword arguments) of every captured launch × autotune config."""
-    from triton.runtime.autotuner import Autotuner
     for L in captured:
-        tuned = isinstance(L.kernel, Autotuner)
-        fn = L.kernel.fn if tuned else L.kernel
-        for cfg in ((L.kernel.configs if all_configs else L.kernel.configs[:1]) if tuned else [None]):
-            yield L, fn, dict(L.kwargs, **(cfg.all_kwargs() if cfg is not None else {}))
+        for fn, kw in _specialisations(L.kernel, L.args, L.kwargs, all_configs):
+            yield L, fn, kw
 
 
-def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None) -> dict:
+def _specialisations(kernel, args, kwargs, all_configs):
+    """(JIT function, keyword arguments) through the wrappers of ``kernel`` as a launch would go:
+    an Autotuner's configs (those it keeps after pruning; the first only unless ``all_configs``),
+    a Heuristics' computed values."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    if isinstance(kernel, Autotuner):
+        kernel.nargs = dict(zip(kernel.arg_names, args))
+        configs = kernel.prune_configs(kwargs) if all_configs else kernel.configs[:1]
+        kernel.nargs = None
+        for cfg in configs:
+            yield from _specialisations(kernel.fn, args, {**kwargs, **cfg.all_kwargs()}, all_configs)
+    elif isinstance(kernel, Heuristics):
+        nargs = {**dict(zip(kernel.arg_names, args)), **kwargs}
+        yield from _specialisations(kernel.fn, args, {**kwargs, **{k: h(nargs) for k, h in kernel.values.items()}},
+                                    all_configs)
+    else:
+        yield kernel, kwargs
+
+
+def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, baselines=()) -> dict:
     """Compile every ``workers``-th (launch, config) pair from ``shard`` on, for this machine's
     GPU (or offline for sm_``arch``), into Triton's on-disk cache."""
     from triton.runtime.driver import driver
     if arch is not None:
         driver.set_active(_offline_driver(arch))
     t0, done, failed = time.perf_counter(), 0, []
-    for L, fn, kw in list(_compiles(launches(ops, presets=presets)))[shard::workers]:
+    for L, fn, kw in list(_compiles(launches(ops, presets=presets, baselines=baselines)))[shard::workers]:
         try:
             fn.warmup(*L.args, grid=(1,), **kw)
             done += 1
@@ -292,7 +338,8 @@ def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None) 
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | None = None) -> list[dict]:
+def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | None = None,
+               baselines=()) -> list[dict]:
     """Fill Triton's on-disk cache with every captured launch × autotune config, compiled in
     ``workers`` processes at once, so that a run's launches and autotuning load binaries instead
     of compiling them one at a time (the cache key is the same: source, target, options,
@@ -302,7 +349,8 @@ def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | N
     os.environ["TRITON_INTERPRET"] = "0"  # read by the spawned workers when they import triton
     try:  # a worker that dies raises BrokenProcessPool here (a Pool would replace it forever)
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            return list(pool.map(_precompile_shard, range(workers), *zip(*[(workers, ops, presets, arch)] * workers)))
+            return list(pool.map(_precompile_shard, range(workers),
+                                 *zip(*[(workers, ops, presets, arch, baselines)] * workers)))
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]

@@ -56,13 +56,14 @@ def ceilings(device: torch.device, dry_run: bool) -> dict:
 
 
 def precompile_rows(dry_run: bool) -> list[dict]:
-    """Every kernel the suite launches (the ops' and palier0's and palier2's steps, every autotune
-    config) compiled in parallel processes into Triton's cache first, so that later stages load
-    binaries instead of compiling one at a time. Dry run: two workers compile the clock's kernels
-    offline for sm_90."""
+    """Every kernel the suite launches (the ops' and palier0's and palier2's steps, and fla's when
+    installed, every autotune config) compiled in parallel processes into Triton's cache first, so
+    that later stages and autotuning load binaries instead of compiling one at a time. Dry run: two
+    workers compile the clock's kernels offline for sm_90."""
     if dry_run:
         return aot.precompile(2, ops=("kuramoto",), presets=(), arch=90)
-    return aot.precompile(max(1, min(16, (os.cpu_count() or 2) - 1)), presets=("palier0", "palier2"))
+    return aot.precompile(max(1, min(16, (os.cpu_count() or 2) - 1)), presets=("palier0", "palier2"),
+                          baselines=("fla",))
 
 
 def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[dict]:
@@ -143,6 +144,18 @@ def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
     return rows
 
 
+def baseline_versions() -> dict:
+    """The installed version of each baseline package timed side by side, or "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for dist in ("fla-core", "liger-kernel"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
 def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -> dict[str, pd.DataFrame]:
     """Run every stage (none that would start after ``budget_s`` seconds); write ``out/*.csv``;
     return the tables."""
@@ -155,6 +168,7 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     prov = provenance(device)
     if device.type == "cuda":
         prov["driver"] = torch.version.cuda or ""
+    prov["baselines"] = baseline_versions()
     (out / "provenance.json").write_text(json.dumps(prov, indent=1))
     print("provenance:", prov)
 
