@@ -88,3 +88,21 @@ def test_specialisations_follow_heuristics_and_pruned_autotune_configs():
         [(16, 2, False), (16, 4, False), (32, 2, False), (32, 4, False)]
     first = list(aot._specialisations(toy_kernel, args, {}, all_configs=False))
     assert [(kw["BLOCK"], kw["num_warps"]) for _, kw in first] == [(16, 2)]
+
+
+def test_fla_launches_are_captured_and_compile_for_sm90():
+    """The GPU suite precompiles fla's kernels with ours: the launches of its chunk_linear_attn, as
+    the suite times it (forward and backward), are captured through fla's wrappers, and each
+    compiles for sm_90 (first autotune config)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from fractus.bench import aot\n"
+            "from triton.runtime.driver import driver\n"
+            "L = aot.launches(ops=(), presets=(), baselines=('fla',))\n"
+            "driver.set_active(aot._offline_driver(90))\n"
+            "n = sum(bool(fn.warmup(*l.args, grid=(1,), **kw)) for l, fn, kw in aot._compiles(L, all_configs=False))\n"
+            "print(len(L), n, ' '.join(sorted({l.name for l in L})))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    captured, compiled, *names = r.stdout.split()
+    assert int(captured) == int(compiled) > 0
+    assert any("fwd" in n for n in names) and any("bwd" in n for n in names), names
