@@ -7,7 +7,8 @@
 3. each kernel timed against its baselines (fla / Liger side by side when installed);
 4. end-to-end bf16 training throughput, peak memory and MFU per preset over a batch sweep,
    tick-by-tick generation tokens/s, the lever stack and the profiler breakdown (notebooks 01, 02);
-5. CSVs under ``results/gpu/`` (read by the notebooks) and a summary table printed last.
+5. CSVs under ``results/gpu/`` (read by the notebooks), ``targets.csv`` (each target of the
+   issues: met, missed or not measured) and a summary printed last.
 
 A failing stage is recorded in ``failures.csv`` and the suite goes on; with ``--budget-s`` a
 stage that would start after the budget is spent is recorded as skipped, so the summary and the
@@ -34,6 +35,7 @@ from fractus.model import FractusConfig, FractusCTE
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
 H200_BF16_DENSE_TFLOPS = 989.4  # datasheet peak, dense bf16
+TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
 # (preset, batch sizes, chunk_len) swept for end-to-end training on the GPU
 TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
                ("palier2", (8, 64, 128), 128), ("palier3", (8, 32, 64), 128), ("1b", (8, 32, 64, 128), 128)]
@@ -207,6 +209,8 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     stage("generation", lambda: generation_rows(device, dry_run))
     stage("levers", lambda: levers.gpu_rows(smoke=dry_run))
     stage("profile", lambda: profile.gpu_rows(smoke=dry_run))
+    tables["targets"] = pd.DataFrame(target_rows(tables))
+    write_csv(out / "targets.csv", tables["targets"].to_dict("records"), device)
     if failures:
         write_csv(out / "failures.csv", failures, device)
     elif (out / "failures.csv").exists():
@@ -214,6 +218,41 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     tables["failures"] = pd.DataFrame(failures)
     print_summary(tables, time.perf_counter() - t_start)
     return tables
+
+
+def target_rows(tables: dict[str, pd.DataFrame]) -> list[dict]:
+    """The targets in one table: every kernel check passed, each timing table's target rows (the
+    kernel issues'), and the training target (best tok/s and MFU of the sweep for its preset);
+    ``met`` is empty where it was not measured."""
+    checks = [t for name, t in tables.items() if name.startswith("correctness_")]
+    c = pd.concat(checks, ignore_index=True) if checks else pd.DataFrame({"passed": []})
+    complete = len(checks) == len(KERNELS) + 1
+    rows = [{"target": "every kernel correct (fp32 and bf16 vs the fp32 truth)",
+             "case": f"{int(c['passed'].sum())}/{len(c)} checks in {len(checks)}/{len(KERNELS) + 1} stages",
+             "met": bool(c["passed"].all()) and complete}]
+    for name, t in tables.items():
+        if not name.startswith("timing_") or "target" not in t:
+            continue
+        for _, r in t[t["target"].notna()].iterrows():
+            case = ", ".join(f"{k}={r[k]}" for k in ("impl", "kind", "mode", "dtype", "B", "T", "tokens")
+                             if k in r and pd.notna(r[k]))
+            met = r.get("target_met")
+            rows.append({"target": f"{name.removeprefix('timing_')}: {r['target']}", "case": case,
+                         "met": None if pd.isna(met) else bool(met),
+                         "note": r["note"] if "note" in r and pd.notna(r["note"]) else ""})
+    preset, tok_s, mfu = TRAIN_TARGET
+    t = tables.get("train_throughput")
+    runs = t[(t["preset"] == preset) & t["tok_s"].notna()] if t is not None and "tok_s" in t else pd.DataFrame()
+    for what, col, goal in ((f"{tok_s:,} tok/s", "tok_s", tok_s), (f"{mfu:.0%} MFU", "mfu", mfu)):
+        row = {"target": f"train {preset} in bf16: >= {what}", "met": None}
+        if len(runs):
+            best = runs.loc[runs[col].idxmax()]
+            row.update(case=f"best of the sweep: B={int(best['batch_size'])}", value=float(best[col]),
+                       met=bool(best[col] >= goal))
+        else:
+            row["note"] = "not measured"
+        rows.append(row)
+    return rows
 
 
 def print_summary(tables: dict[str, pd.DataFrame], seconds: float) -> None:
@@ -231,5 +270,7 @@ def print_summary(tables: dict[str, pd.DataFrame], seconds: float) -> None:
         print(t[cols].to_string(index=False))
     if "generation" in tables:
         print(tables["generation"].to_string(index=False))
+    if "targets" in tables:
+        print(tables["targets"].fillna("").to_string(index=False, max_colwidth=60))
     f = tables.get("failures")
     print("failed stages: " + (", ".join(f["stage"]) if f is not None and len(f) else "none"))
