@@ -1,6 +1,5 @@
 """The model: decode equals the chunked forward, causality, presets, bad input, checkpoints, and the
 whole model on the Triton path (interpreted) equal to the CPU path."""
-import itertools
 import random
 
 import pytest
