@@ -83,7 +83,7 @@ def _fla_fn():
         fq = torch.cat([F.elu(q + om) + 1 for om in oms], 2)  # [B, T, Lv·H, D]
         fk = torch.cat([F.elu(k + om) + 1 for om in oms], 2)
         y = chunk_linear_attn(fq, fk, v.repeat(1, 1, Lv, 1), **kw)[0].unflatten(2, (Lv, H))
-        return torch.einsum("l,btlhd->bthd", w, y.float()).to(q.dtype)
+        return torch.einsum("l,btlhd->bthd", w.to(y.dtype), y)  # levels mixed in the inputs' dtype
     import fla
     return fn, f"fla {getattr(fla, '__version__', '?')} chunk_linear_attn(normalize=True)"
 
