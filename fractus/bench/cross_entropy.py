@@ -69,6 +69,11 @@ def _flops(N, d, V):
     return 3 * 2 * N * d * V
 
 
+def _min_bytes(N, d, V, elt):
+    """Compulsory traffic of forward+backward: H and W read, dH and dW written, the int64 targets."""
+    return elt * 2 * (N + V) * d + 8 * N
+
+
 # ----------------------------------------------------------------------------- CPU
 def cpu_rows(smoke: bool = False) -> list[dict]:
     """Chunked PyTorch path vs naive, fp32 forward+backward: time and peak RSS (spawned process)."""
@@ -120,7 +125,8 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
             thunk = lambda: _fwd_bwd(fn, h, w, t)  # noqa: E731
             tm = common.median_time(thunk, warmup=1, reps=2, device=device) if smoke else \
                 common.median_time(thunk, device=device)
-            row = dict(**meta, impl=impl, time_s=tm, tflops=_flops(**case) / tm / 1e12)
+            row = dict(**meta, impl=impl, time_s=tm, tflops=_flops(**case) / tm / 1e12,
+                       gbps=_min_bytes(**case, elt=h.element_size()) / tm / 1e9)
             row.update({f"rel_err_{n}": common.rel_err(x, y) for n, x, y in
                         zip(("loss", "dh", "dw"), _agreement(fn, h, w, t), truth)})
             if device == "cuda":

@@ -9,7 +9,8 @@ GPU (bf16): forward and forward+backward at B=8, T ∈ {512, 2048, 8192}, 2 leve
 chunk_linear_attn when importable (levels folded into heads, feature maps included, normalised by
 fla itself), and the materialising formulation where it fits, each forward's output compared with
 the PyTorch path's; target: forward+backward within 1.25× of fla's at T=2048. Decode step (B=1,
-T=1): Triton vs the PyTorch path, target ≥ 10×. Forward+backward also times the Triton backward on chunks of 64
+T=1): Triton vs the PyTorch path, target ≥ 10×. Each timing has derived TFLOP/s (model FLOPs) and
+GB/s (compulsory traffic). Forward+backward also times the Triton backward on chunks of 64
 (``triton_bwd64``) against its default 32, chosen ahead of time for register pressure
 (``python -m fractus.bench aot``): the first GPU run says which is faster.
 """
@@ -201,6 +202,18 @@ def _interleaved_medians(fns, reps):
 
 
 # ----------------------------------------------------------------------------- GPU
+def _flops(B, T, H, D, levels, backward=False):
+    """Model FLOPs: the recurrent form's 4·D·(D + 1) per token and level·head (state update, q·S,
+    the denominator), the backward 2× the forward; a chunked kernel does more (intra-chunk products)."""
+    return (3 if backward else 1) * 4 * D * (D + 1) * B * T * H * levels
+
+
+def _min_bytes(B, T, H, D, levels, elt, backward=False, state=False):
+    """Compulsory traffic: q, k, v read and o written once (the levels share them; the backward
+    also reads q, k, v, dO and writes dq, dk, dv); ``state``: the fp32 (S, z) read and written."""
+    return (11 if backward else 4) * B * T * H * D * elt + (8 * B * levels * H * D * (D + 1) if state else 0)
+
+
 def _mat_bytes(B, T, N, D):
     """Rough peak of the materialising forward+backward: ~6 fp32 [B, T, N, D, D] tensors."""
     return 6 * B * T * N * D * D * 4
@@ -249,6 +262,8 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
                             _fwd_bwd(impl, q, k, v, w, oms)
                     tm = timer(thunk)
                     row["time_s"] = tm
+                    row["tflops"] = _flops(B, T, H, D, Lv, mode == "fwd+bwd") / tm / 1e12
+                    row["gbps"] = _min_bytes(B, T, H, D, Lv, q.element_size(), mode == "fwd+bwd") / tm / 1e9
                     if device == "cuda":
                         row["peak_bytes"] = common.cuda_peak_bytes(thunk)
                     if impl == "fla":
@@ -281,7 +296,9 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
         dec[impl] = timer(thunk)
     for impl, tm in dec.items():
         row = dict(bench="linear_attention", dtype=dname, B=1, T=1, H=H, levels=Lv, D=D,
-                   mode="decode", impl=impl, time_s=tm, speedup_vs_torch=dec["torch"] / tm)
+                   mode="decode", impl=impl, time_s=tm, speedup_vs_torch=dec["torch"] / tm,
+                   tflops=_flops(1, 1, H, D, Lv) / tm / 1e12,
+                   gbps=_min_bytes(1, 1, H, D, Lv, q.element_size(), state=True) / tm / 1e9)
         if impl == "triton":
             row.update(target="decode >= 10x the PyTorch path", target_met=dec["torch"] / tm >= 10)
         rows.append(row)
