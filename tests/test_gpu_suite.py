@@ -34,7 +34,7 @@ def test_gpu_suite_dry_run(tmp_path):
     assert fwd.loc["fla", "note"].startswith("error:")
     target = la[(la["mode"] == "fwd+bwd") & (la["impl"] == "triton")].iloc[0]
     assert target["target"].startswith("fwd+bwd <= 1.25x fla") and target["note"] == "target not measured: fla failed"
-    for k in KERNELS:  # every timing with its derived rates
+    for k in (*KERNELS, "kuramoto"):  # every timing with its derived rates
         t = pd.read_csv(tmp_path / f"timing_{k}.csv").dropna(subset=["time_s"])
         assert len(t) and (t[["time_s", "tflops", "gbps"]] > 0).all().all(), k
     targets = pd.read_csv(tmp_path / "targets.csv").set_index("target")  # one table of the issues' targets

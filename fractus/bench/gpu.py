@@ -109,11 +109,12 @@ def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dic
     three instead)."""
     from fractus.kernels.kuramoto import kuramoto_phase, kuramoto_phase_reference
     args, dy = kuramoto_case(device, small=dry_run)
+    dt, steps, damping = 0.1, 2, 0.1
     fns = {"triton": lambda *a: kuramoto_phase(*a, backend="triton"),
            "torch": lambda *a: kuramoto_phase(*a, backend="torch"), "reference": kuramoto_phase_reference}
 
     def run(fn):
-        psi = fn(*args, 0.1, 2, 0.1)
+        psi = fn(*args, dt, steps, damping)
         return (psi, *torch.autograd.grad(psi, args, dy))
     if not timing:
         truth = run(fns["reference"])
@@ -121,8 +122,12 @@ def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dic
             f"kuramoto_phase[{name}]", torch.float32, ("psi", "dtheta", "domega", "dU", "dlambda"),
             run(fns[name]), truth, truth_name="plain autograd")]
     times = {k: median_time(lambda fn=fn: run(fn), device=device) for k, fn in fns.items()}
-    return [{"kernel": "kuramoto_phase", "impl": k, "tokens": args[0].shape[0], "oscillators": args[0].shape[1],
-             "mode": "fwd+bwd", "time_s": t, "speedup_vs_reference": times["reference"] / t}
+    M, N = args[0].shape
+    flops = 3 * steps * 4 * (4 * N * N + 8 * N) * M  # RK4 stages: two N×N coupling products each; bwd 2×
+    nbytes = 4 * (2 * M * N + 2 * M)  # θ⁰ read and dθ⁰ written, ψ written and dψ read (fp32)
+    return [{"kernel": "kuramoto_phase", "impl": k, "tokens": M, "oscillators": N, "mode": "fwd+bwd",
+             "time_s": t, "tflops": flops / t / 1e12, "gbps": nbytes / t / 1e9,
+             "speedup_vs_reference": times["reference"] / t}
             for k, t in times.items()]
 
 
