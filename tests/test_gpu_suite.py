@@ -54,3 +54,13 @@ def test_gpu_suite_budget_skips_stages(tmp_path):
     assert {"ceilings", "correctness_linear_attention", "train_throughput", "profile"} <= set(f["stage"])
     assert (tmp_path / "provenance.json").exists() and not (tmp_path / "ceilings.csv").exists()
     assert not (pd.read_csv(tmp_path / "targets.csv")["met"] == True).any()  # noqa: E712  nothing measured, nothing met
+
+
+def test_nvidia_driver_version_from_nvidia_smi(tmp_path, monkeypatch):
+    from fractus.bench.gpu import nvidia_driver
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert nvidia_driver() == "unknown (FileNotFoundError)"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 580.159.03\n")
+    smi.chmod(0o755)
+    assert nvidia_driver() == "580.159.03"

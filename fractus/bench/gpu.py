@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import time
 import traceback
 from pathlib import Path
@@ -152,6 +153,16 @@ def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
     return rows
 
 
+def nvidia_driver() -> str:
+    """The NVIDIA driver's version as ``nvidia-smi`` reports it, or why it is unknown."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.split("\n")[0].strip() or f"unknown (nvidia-smi: {out.stderr.strip()[:100]})"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({type(exc).__name__})"
+
+
 def baseline_versions() -> dict:
     """The installed version of each baseline package timed side by side, or "not installed"."""
     from importlib.metadata import PackageNotFoundError, version
@@ -175,7 +186,7 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     tables, failures = {}, []
     prov = provenance(device)
     if device.type == "cuda":
-        prov["driver"] = torch.version.cuda or ""
+        prov.update(driver=nvidia_driver(), cuda_runtime=torch.version.cuda or "")
     prov["baselines"] = baseline_versions()
     (out / "provenance.json").write_text(json.dumps(prov, indent=1))
     print("provenance:", prov)
