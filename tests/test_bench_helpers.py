@@ -242,3 +242,23 @@ def test_fla_baseline_computes_the_models_attention(monkeypatch):
         assert common.rel_err(bl._run("fla", q, k, v, w, oms), bl._run("reference", q, k, v, w, oms)) < 1e-5
     finally:
         bl._fla_fn.cache_clear()
+
+
+def test_git_sha_is_dirty_for_code_not_for_results(tmp_path):
+    import subprocess
+    from fractus.bench.common import git_sha
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "x.csv").write_text("a\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    clean = git_sha(tmp_path)
+    assert len(clean) == 12 and not clean.endswith("-dirty")
+    (tmp_path / "results" / "x.csv").write_text("b\n")  # a run writing its outputs
+    assert git_sha(tmp_path) == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_sha(tmp_path) == clean + "-dirty"

@@ -19,13 +19,15 @@ import torch
 SMOKE = os.environ.get("FRACTUS_SMOKE", "0") == "1"
 
 
-def git_sha() -> str:
+def git_sha(root: Path = Path(__file__).resolve().parents[2]) -> str:
+    """HEAD's short sha, with "-dirty" when a tracked file outside ``results/`` differs from it
+    (a run's own outputs, written as it goes, do not make its later rows dirty)."""
     try:
-        root = Path(__file__).resolve().parents[2]
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)results"], cwd=root, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
         return (sha or "unknown") + ("-dirty" if dirty and sha else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
