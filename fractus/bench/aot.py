@@ -17,14 +17,16 @@ installed (``baselines``), so that its autotuning loads binaries too.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,9 +184,6 @@ def _run_model(preset: str) -> None:
 def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(), baselines=()) -> list[Launch]:
     """Run each op's Triton path forward and backward, and each preset's model (bf16 autocast),
     on CPU with launches captured; then each of ``baselines`` that is installed (op ``baseline[name]``)."""
-    import importlib
-    import sys
-    from contextlib import ExitStack
     from fractus.kernels import backend
     out: list[Launch] = []
     for op in ops:
@@ -193,12 +192,7 @@ def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(),
             with capture(module, op, dtype, out), triton_on_cpu(backend):
                 OPS[op](dtype)
     for preset in presets:
-        with ExitStack() as stack:
-            for op in OPS:
-                module = importlib.import_module(f"fractus.kernels.{op}")
-                dtype = torch.float32 if op == "kuramoto" else torch.bfloat16  # the clock runs in fp32
-                stack.enter_context(capture(module, f"model[{preset}]", dtype, out))
-            stack.enter_context(triton_on_cpu(backend))
+        with capture_model(f"model[{preset}]", out):
             _run_model(preset)
     for name in baselines:
         entry, run = BASELINES[name]
@@ -216,6 +210,20 @@ def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(),
             del out[first:]
             print(f"baseline {name}: launches not captured ({type(e).__name__}: {e})", flush=True)
     return out
+
+
+@contextmanager
+def capture_model(op: str, launches: list[Launch]):
+    """Every op's kernels captured (the clock's as fp32: it runs in fp32 under autocast; the
+    others bf16) and the Triton path forced on CPU: what a bf16 model step launches."""
+    from fractus.kernels import backend
+    with ExitStack() as stack:
+        for name in OPS:
+            module = importlib.import_module(f"fractus.kernels.{name}")
+            stack.enter_context(capture(module, op, torch.float32 if name == "kuramoto" else torch.bfloat16,
+                                        launches))
+        stack.enter_context(triton_on_cpu(backend))
+        yield
 
 
 @contextmanager

@@ -53,8 +53,11 @@ def _impl(name):
 
 
 def _fwd_bwd(fn, h, w, t):
+    """One forward+backward of ``fn``; returns (loss, dL/dh, dL/dW)."""
     h.grad = w.grad = None
-    fn(h, w, t).backward()
+    loss = fn(h, w, t)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
 
 
 def peak_case(impl, N, d, V):
@@ -114,7 +117,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
     h, w, t = make_case(**case, dtype=dtype, device=device)
     meta = dict(bench="cross_entropy", mode="fwd+bwd", dtype=str(dtype).replace("torch.", ""),
                 tokens=case["N"], d=case["d"], V=case["V"])
-    truth = _agreement(naive, h.detach().float().requires_grad_(), w.detach().float().requires_grad_(), t)
+    truth = _fwd_bwd(naive, h.detach().float().requires_grad_(), w.detach().float().requires_grad_(), t)
     rows = []
     for impl in ("triton", "naive", "compiled", "liger"):
         if impl == "compiled" and smoke:
@@ -128,7 +131,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
             row = dict(**meta, impl=impl, time_s=tm, tflops=_flops(**case) / tm / 1e12,
                        gbps=_min_bytes(**case, elt=h.element_size()) / tm / 1e9)
             row.update({f"rel_err_{n}": common.rel_err(x, y) for n, x, y in
-                        zip(("loss", "dh", "dw"), _agreement(fn, h, w, t), truth)})
+                        zip(("loss", "dh", "dw"), _fwd_bwd(fn, h, w, t), truth)})
             if device == "cuda":
                 row["peak_bytes"] = common.cuda_peak_bytes(thunk)
             rows.append(row)
@@ -156,13 +159,6 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
             tri["note"] = "target not measured: no peak memory off CUDA"
     return rows
 
-
-def _agreement(fn, h, w, t):
-    """(loss, dL/dh, dL/dW) of ``fn``: its outputs, compared against the fp32 naive ones."""
-    h.grad = w.grad = None
-    loss = fn(h, w, t)
-    loss.backward()
-    return loss.detach(), h.grad, w.grad
 
 
 def _lowp_torch(h, w, t, **kw):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import statistics
 import time
 
@@ -75,15 +74,12 @@ def _fla_fn():
     heads, normalised by fla itself (``normalize=True``: a cumulative sum of the keys and a divide,
     in the inputs' dtype, eps 1e-10); returns (fn(q, k, v, w, oms) -> o, note)."""
     from fla.ops.linear_attn import chunk_linear_attn
-    kw = dict(scale=1.0, normalize=True)
-    if "head_first" in inspect.signature(chunk_linear_attn).parameters:
-        kw["head_first"] = False
 
     def fn(q, k, v, w, oms):
         Lv, H = len(oms), q.shape[2]
         fq = torch.cat([F.elu(q + om) + 1 for om in oms], 2)  # [B, T, Lv·H, D]
         fk = torch.cat([F.elu(k + om) + 1 for om in oms], 2)
-        y = chunk_linear_attn(fq, fk, v.repeat(1, 1, Lv, 1), **kw)[0].unflatten(2, (Lv, H))
+        y = chunk_linear_attn(fq, fk, v.repeat(1, 1, Lv, 1), scale=1.0, normalize=True)[0].unflatten(2, (Lv, H))
         return torch.einsum("l,btlhd->bthd", w.to(y.dtype), y)  # levels mixed in the inputs' dtype
     import fla
     return fn, f"fla {getattr(fla, '__version__', '?')} chunk_linear_attn(normalize=True)"

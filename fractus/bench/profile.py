@@ -249,22 +249,15 @@ def gpu_launch_count(recipe: Recipe) -> int:
     """Kernel launches of one bf16 micro-step (forward + backward) on the GPU's path: the ATen
     ops that launch a kernel plus the Triton kernels' launches, counted on CPU at tiny widths
     with the Triton path forced and its launches captured instead of run
-    (:func:`fractus.bench.aot.capture`). Unlike :func:`op_count` (the CPU path, whose sorted MoE
+    (:func:`fractus.bench.aot.capture_model`). Unlike :func:`op_count` (the CPU path, whose sorted MoE
     runs ops per expert) nothing here grows with the experts."""
-    import importlib
-    from contextlib import ExitStack
     from dataclasses import replace
 
     from fractus.bench import aot
-    from fractus.kernels import backend
     tiny = _tiny(recipe)
     tiny = replace(tiny, dims=tuple({**dict(tiny.dims), "backend": "triton"}.items()))
     launches = []
-    with ExitStack() as stack:
-        for op in aot.OPS:
-            module = importlib.import_module(f"fractus.kernels.{op}")
-            stack.enter_context(aot.capture(module, op, torch.bfloat16, launches))
-        stack.enter_context(aot.triton_on_cpu(backend))
+    with aot.capture_model("model", launches):
         it = _Iteration(tiny, bf16=True)
         it.run()
         launches.clear()
