@@ -245,20 +245,31 @@ def test_fla_baseline_computes_the_models_attention(monkeypatch):
 
 
 def test_git_sha_is_dirty_for_code_not_for_results(tmp_path):
+    import json
     import subprocess
     from fractus.bench.common import git_sha
 
     def git(*a):
         subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    def notebook(code, output):
+        cell = {"cell_type": "code", "source": [code], "outputs": [{"output_type": "stream", "text": [output]}]}
+        (tmp_path / "nb.ipynb").write_text(json.dumps({"cells": [cell], "metadata": {}}))
     git("init", "-q")
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "x.csv").write_text("a\n")
     (tmp_path / "code.py").write_text("x = 1\n")
+    notebook("print(1)", "1")
     git("add", ".")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
     clean = git_sha(tmp_path)
     assert len(clean) == 12 and not clean.endswith("-dirty")
     (tmp_path / "results" / "x.csv").write_text("b\n")  # a run writing its outputs
+    notebook("print(1)", "2")                            # a notebook run in place: new outputs
+    assert git_sha(tmp_path) == clean
+    notebook("print(2)", "2")                            # its code changed
+    assert git_sha(tmp_path) == clean + "-dirty"
+    notebook("print(1)", "2")
     assert git_sha(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_sha(tmp_path) == clean + "-dirty"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import importlib
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -19,16 +20,31 @@ import torch
 SMOKE = os.environ.get("FRACTUS_SMOKE", "0") == "1"
 
 
+def _code_cells(notebook_json: str) -> list[str]:
+    return ["".join(c["source"]) for c in json.loads(notebook_json)["cells"] if c["cell_type"] == "code"]
+
+
 def git_sha(root: Path = Path(__file__).resolve().parents[2]) -> str:
-    """HEAD's short sha, with "-dirty" when a tracked file outside ``results/`` differs from it
-    (a run's own outputs, written as it goes, do not make its later rows dirty)."""
+    """HEAD's short sha, with "-dirty" when a tracked file differs from it, except a run's own
+    outputs: files under ``results/``, and notebooks whose code cells are HEAD's (a notebook run
+    in place, as ``make notebooks`` does one after another, changes only its outputs)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout
+
+    def outputs_only(path: str) -> bool:
+        if not path.endswith(".ipynb"):
+            return False
+        try:
+            return _code_cells((top / path).read_text()) == _code_cells(git("show", f"HEAD:{path}"))
+        except (OSError, ValueError, KeyError):
+            return False
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)results"], cwd=root, capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-        return (sha or "unknown") + ("-dirty" if dirty and sha else "")
+        sha = git("rev-parse", "--short=12", "HEAD").strip()
+        if not sha:
+            return "unknown"
+        top = Path(git("rev-parse", "--show-toplevel").strip())
+        changed = git("diff", "--name-only", "HEAD", "--", ".", ":(exclude)results").splitlines()
+        return sha + ("-dirty" if any(not outputs_only(p) for p in changed) else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
