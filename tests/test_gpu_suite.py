@@ -56,6 +56,51 @@ def test_gpu_suite_budget_skips_stages(tmp_path):
     assert not (pd.read_csv(tmp_path / "targets.csv")["met"] == True).any()  # noqa: E712  nothing measured, nothing met
 
 
+def test_gpu_suite_runs_the_rest_in_a_fresh_process_after_cuda_context_loss(tmp_path, monkeypatch):
+    """An illegal address fails every later CUDA call of the process: the stages after it run in a
+    fresh one (where the stage that failed here runs fine), and their tables come back."""
+    import time
+
+    from fractus.bench import gpu
+
+    def illegal_address(device, dry_run):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(gpu, "generation_rows", illegal_address)
+    monkeypatch.setattr(gpu, "_context_lost", lambda device: True)
+    names = ["correctness_kuramoto", "generation", "timing_kuramoto", "generation"]
+    tables, failures = gpu.run_stages(tmp_path, names, dry_run=True, t_start=time.time())
+    assert [f["stage"] for f in failures] == ["generation"] and "illegal memory access" in failures[0]["error"]
+    assert set(tables) == {"correctness_kuramoto", "timing_kuramoto", "generation"}
+    assert (tables["generation"]["tok_s"] > 0).all() and tables["timing_kuramoto"]["time_s"].notna().all()
+    assert not (tmp_path / gpu.RESULT_FILE).exists()
+
+
+def test_gpu_suite_records_stages_whose_fresh_process_died(tmp_path, monkeypatch):
+    import shutil
+    import time
+
+    from fractus.bench import gpu
+    monkeypatch.setattr(gpu, "generation_rows", lambda device, dry_run: 1 / 0)
+    monkeypatch.setattr(gpu, "_context_lost", lambda device: True)
+    monkeypatch.setattr(gpu.sys, "executable", shutil.which("false"))  # the fresh process exits at once
+    tables, failures = gpu.run_stages(tmp_path, ["generation", "levers", "profile"], True, time.time())
+    assert tables == {} and [f["stage"] for f in failures] == ["generation", "levers", "profile"]
+    assert all(f["error"].endswith("from levers exited with code 1") for f in failures[1:])
+
+
+def test_gpu_suite_stops_a_fresh_process_that_outlives_the_budget(tmp_path, monkeypatch):
+    import time
+
+    from fractus.bench import gpu
+    monkeypatch.setattr(gpu, "generation_rows", lambda device, dry_run: 1 / 0)
+    monkeypatch.setattr(gpu, "_context_lost", lambda device: True)
+    monkeypatch.setattr(gpu, "LAST_STAGE_S", -999.0)  # budget 1000 s: the fresh process gets 1 s
+    t0 = time.time()
+    tables, failures = gpu.run_stages(tmp_path, ["generation", "levers"], True, t0, budget_s=1000.0)
+    assert tables == {} and failures[1]["error"].endswith("was stopped after 1 s (the time budget)")
+    assert time.time() - t0 < 30
+
+
 def test_nvidia_driver_version_from_nvidia_smi(tmp_path, monkeypatch):
     from fractus.bench.gpu import nvidia_driver
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -70,6 +70,9 @@ def main(argv=None) -> None:
     g.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, Triton interpreter")
     g.add_argument("--budget-s", type=float, default=None,
                    help="start no stage after this many seconds (skipped stages go to failures.csv)")
+    # how the suite runs its remaining stages in a fresh process after CUDA's context is lost
+    g.add_argument("--resume-stages", nargs="+", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--started-at", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     keep_freed_memory()
     if a.cmd == "cpu":
@@ -84,8 +87,13 @@ def main(argv=None) -> None:
     else:
         if a.dry_run:  # the kernels run in Triton's interpreter; set before triton is imported
             os.environ["TRITON_INTERPRET"] = "1"
-        from fractus.bench.gpu import run_suite
-        run_suite(Path(a.out), dry_run=a.dry_run, budget_s=a.budget_s)
+        from fractus.bench.gpu import resume_stages, run_suite
+        if a.resume_stages:
+            if a.started_at is None:
+                ap.error("--resume-stages needs --started-at")
+            resume_stages(Path(a.out), a.resume_stages, a.dry_run, a.started_at, a.budget_s)
+        else:
+            run_suite(Path(a.out), dry_run=a.dry_run, budget_s=a.budget_s)
 
 
 if __name__ == "__main__":

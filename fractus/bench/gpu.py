@@ -11,7 +11,8 @@
 5. CSVs under ``results/gpu/`` (read by the notebooks), ``targets.csv`` (each target of the
    issues: met, missed or not measured) and a summary printed last.
 
-A failing stage is recorded in ``failures.csv`` and the suite goes on; with ``--budget-s`` a
+A failing stage is recorded in ``failures.csv`` and the suite goes on (after one that leaves
+CUDA's context unusable, e.g. an illegal memory access, in a fresh process); with ``--budget-s`` a
 stage that would start after the budget is spent is recorded as skipped, so the summary and the
 CSVs are written before an outer time limit kills the run. ``--dry-run`` runs the same code paths
 on CPU at tiny sizes (kernels through Triton's interpreter); CI runs it.
@@ -22,9 +23,11 @@ import importlib
 import json
 import os
 import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 import torch
@@ -175,6 +178,123 @@ def baseline_versions() -> dict:
     return out
 
 
+def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Callable[[], list[dict]]]:
+    """The suite's stages in the order they run: name → a function returning its rows."""
+    ceil: dict = {}
+
+    def measure_ceilings() -> list[dict]:
+        ceil.update(ceilings(device, dry_run))
+        return [ceil]
+
+    def peak_tflops() -> float:
+        if not dry_run:
+            return H200_BF16_DENSE_TFLOPS
+        if not ceil and (out / "ceilings.csv").exists():  # measured by an earlier process of this run
+            ceil.update(pd.read_csv(out / "ceilings.csv").iloc[0].to_dict())
+        return max(ceil.get("matmul_tflops", 1e-3), 1e-3)
+
+    def bench(k: str):
+        return importlib.import_module(f"fractus.bench.{k}")
+    fns = {"ceilings": measure_ceilings, "precompile": lambda: precompile_rows(dry_run)}
+    for k in KERNELS:
+        fns[f"correctness_{k}"] = lambda k=k: bench(k).correctness_rows(device, smoke=dry_run)
+    fns["correctness_kuramoto"] = lambda: kuramoto_rows(device, dry_run, timing=False)
+    # the training target before the kernels' timings: those also compile and autotune the baselines
+    fns["train_throughput"] = lambda: train_rows(device, dry_run, peak_tflops())
+    for k in KERNELS:
+        fns[f"timing_{k}"] = lambda k=k: bench(k).gpu_rows(smoke=dry_run)
+    fns["timing_kuramoto"] = lambda: kuramoto_rows(device, dry_run, timing=True)
+    fns["generation"] = lambda: generation_rows(device, dry_run)
+    fns["levers"] = lambda: levers.gpu_rows(smoke=dry_run)
+    fns["profile"] = lambda: profile.gpu_rows(smoke=dry_run)
+    return fns
+
+
+def _context_lost(device: torch.device) -> bool:
+    """Whether CUDA's context is unusable: an illegal address or a device-side assert is sticky,
+    every later CUDA call in the process fails."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+        return False
+    except Exception:  # RuntimeError or torch.AcceleratorError, depending on torch's version
+        return True
+
+
+def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
+               budget_s: float | None = None) -> tuple[dict[str, pd.DataFrame], list[dict]]:
+    """Run the stages ``names`` in order, writing each one's ``out/NAME.csv``; none starts after
+    ``budget_s`` seconds from ``t_start`` (a ``time.time()``). A failing stage is recorded and the
+    next one runs; after a failure that lost CUDA's context the remaining stages run in a fresh
+    process. Returns the tables and the failures."""
+    device = torch.device("cpu" if dry_run else "cuda")
+    fns = _stage_fns(out, device, dry_run)
+    tables, failures = {}, []
+    for i, name in enumerate(names):
+        t0 = time.time()
+        if budget_s is not None and t0 - t_start > budget_s:
+            failures.append({"stage": name, "error": f"skipped: the time budget of {budget_s:.0f} s was spent",
+                             "trace": ""})
+            print(f"[{t0 - t_start:6.1f}s] {name}: skipped (time budget)")
+            continue
+        try:
+            rows = fns[name]()
+            if rows:
+                write_csv(out / f"{name}.csv", rows, device)
+                tables[name] = pd.DataFrame(rows)
+            print(f"[{time.time() - t_start:6.1f}s] {name}: {len(rows)} rows ({time.time() - t0:.1f}s)")
+            if device.type == "cuda":  # hand back its cached blocks: a fresh process may need them
+                torch.cuda.empty_cache()
+        except Exception as e:  # a failing stage is recorded and the suite goes on
+            failures.append({"stage": name, "error": f"{type(e).__name__}: {e}",
+                             "trace": traceback.format_exc(limit=3)})
+            print(f"[{time.time() - t_start:6.1f}s] {name}: FAILED {type(e).__name__}: {e}")
+            if i + 1 < len(names) and _context_lost(device):
+                print("CUDA's context is lost: the remaining stages run in a fresh process")
+                more, more_failures = _run_in_fresh_process(out, names[i + 1:], dry_run, t_start, budget_s)
+                tables.update(more)
+                failures += more_failures
+                break
+    return tables, failures
+
+
+RESULT_FILE = ".stages.json"  # what a fresh process of run_stages hands back
+LAST_STAGE_S = 60  # what a stage started just before the budget ran out may take (the README's
+# device command stops the suite 80 s after its --budget-s)
+
+
+def _run_in_fresh_process(out: Path, names: list[str], dry_run: bool, t_start: float,
+                          budget_s: float | None) -> tuple[dict[str, pd.DataFrame], list[dict]]:
+    result = out / RESULT_FILE
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "fractus.bench", "gpu", "--out", str(out), "--started-at", repr(t_start),
+           "--resume-stages", *names] + (["--dry-run"] if dry_run else [])
+    launched, timeout = time.time(), None
+    if budget_s is not None:  # it must end before an outer limit stops this process and leaves it running
+        cmd += ["--budget-s", repr(budget_s)]
+        timeout = max(t_start + budget_s + LAST_STAGE_S - time.time(), 1.0)
+    try:
+        ended = f"exited with code {subprocess.run(cmd, timeout=timeout).returncode}"
+    except subprocess.TimeoutExpired:
+        ended = f"was stopped after {timeout:.0f} s (the time budget)"
+    if result.exists():
+        done = json.loads(result.read_text())
+        result.unlink()
+        return {n: pd.read_csv(out / f"{n}.csv") for n in done["stages"]}, done["failures"]
+    written = [n for n in names if (out / f"{n}.csv").exists() and (out / f"{n}.csv").stat().st_mtime >= launched]
+    return ({n: pd.read_csv(out / f"{n}.csv") for n in written},
+            [{"stage": n, "error": f"no result: the fresh process for the stages from {names[0]} {ended}",
+              "trace": ""} for n in names if n not in written])
+
+
+def resume_stages(out: Path, names: list[str], dry_run: bool, t_start: float, budget_s: float | None) -> None:
+    """The fresh process's side of :func:`run_stages`: run ``names``, hand back what they gave."""
+    tables, failures = run_stages(out, names, dry_run, t_start, budget_s)
+    (out / RESULT_FILE).write_text(json.dumps({"stages": list(tables), "failures": failures}))
+
+
 def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -> dict[str, pd.DataFrame]:
     """Run every stage (none that would start after ``budget_s`` seconds); write ``out/*.csv``;
     return the tables."""
@@ -182,51 +302,14 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     if not dry_run and not torch.cuda.is_available():
         raise RuntimeError("the GPU suite needs a CUDA device; use --dry-run on CPU")
     out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    tables, failures = {}, []
+    t_start = time.time()
     prov = provenance(device)
     if device.type == "cuda":
         prov.update(driver=nvidia_driver(), cuda_runtime=torch.version.cuda or "")
     prov["baselines"] = baseline_versions()
     (out / "provenance.json").write_text(json.dumps(prov, indent=1))
     print("provenance:", prov)
-
-    def stage(name: str, fn):
-        t0 = time.perf_counter()
-        if budget_s is not None and t0 - t_start > budget_s:
-            failures.append({"stage": name, "error": f"skipped: the time budget of {budget_s:.0f} s was spent",
-                             "trace": ""})
-            print(f"[{t0 - t_start:6.1f}s] {name}: skipped (time budget)")
-            return
-        try:
-            rows = fn()
-            if rows:
-                write_csv(out / f"{name}.csv", rows, device)
-                tables[name] = pd.DataFrame(rows)
-            print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: {len(rows)} rows "
-                  f"({time.perf_counter() - t0:.1f}s)")
-        except Exception as e:  # a failing stage is recorded and the suite goes on
-            failures.append({"stage": name, "error": f"{type(e).__name__}: {e}",
-                             "trace": traceback.format_exc(limit=3)})
-            print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: FAILED {type(e).__name__}: {e}")
-
-    ceil = {}
-    stage("ceilings", lambda: [ceil.update(ceilings(device, dry_run)) or ceil])
-    stage("precompile", lambda: precompile_rows(dry_run))
-    for k in KERNELS:
-        mod = importlib.import_module(f"fractus.bench.{k}")
-        stage(f"correctness_{k}", lambda mod=mod: mod.correctness_rows(device, smoke=dry_run))
-    stage("correctness_kuramoto", lambda: kuramoto_rows(device, dry_run, timing=False))
-    # the training target before the kernels' timings: those also compile and autotune the baselines
-    peak = H200_BF16_DENSE_TFLOPS if not dry_run else max(ceil.get("matmul_tflops", 1e-3), 1e-3)
-    stage("train_throughput", lambda: train_rows(device, dry_run, peak))
-    for k in KERNELS:
-        mod = importlib.import_module(f"fractus.bench.{k}")
-        stage(f"timing_{k}", lambda mod=mod: mod.gpu_rows(smoke=dry_run))
-    stage("timing_kuramoto", lambda: kuramoto_rows(device, dry_run, timing=True))
-    stage("generation", lambda: generation_rows(device, dry_run))
-    stage("levers", lambda: levers.gpu_rows(smoke=dry_run))
-    stage("profile", lambda: profile.gpu_rows(smoke=dry_run))
+    tables, failures = run_stages(out, list(_stage_fns(out, device, dry_run)), dry_run, t_start, budget_s)
     tables["targets"] = pd.DataFrame(target_rows(tables))
     write_csv(out / "targets.csv", tables["targets"].to_dict("records"), device)
     if failures:
@@ -234,7 +317,7 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     elif (out / "failures.csv").exists():
         (out / "failures.csv").unlink()
     tables["failures"] = pd.DataFrame(failures)
-    print_summary(tables, time.perf_counter() - t_start)
+    print_summary(tables, time.time() - t_start)
     return tables
 
 
