@@ -273,3 +273,17 @@ def test_git_sha_is_dirty_for_code_not_for_results(tmp_path):
     assert git_sha(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_sha(tmp_path) == clean + "-dirty"
+
+
+def test_provenance_reads_the_gpu_name_once(monkeypatch):
+    """Rows written after a kernel lost CUDA's context (every CUDA call then fails) keep the name."""
+    import torch
+
+    from fractus.bench import common
+    names = iter(["NVIDIA H200"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: next(names))  # a second call raises
+    common._cuda_name.cache_clear()
+    try:
+        assert common.provenance("cuda")["device"] == common.provenance("cuda")["device"] == "NVIDIA H200"
+    finally:
+        common._cuda_name.cache_clear()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import functools
 import importlib
 import json
 import multiprocessing as mp
@@ -59,6 +60,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache
+def _cuda_name(index: int | None) -> str:
+    """Read once: rows written after a kernel lost CUDA's context still get it."""
+    return torch.cuda.get_device_name(index)
+
+
 def provenance(device: torch.device | str = "cpu") -> dict:
     """Where and with what a measurement was made: one dict per row of every results CSV."""
     device = torch.device(device)
@@ -68,7 +75,7 @@ def provenance(device: torch.device | str = "cpu") -> dict:
     except ImportError:
         triton_v = "absent"
     if device.type == "cuda":
-        dev = torch.cuda.get_device_name(device)
+        dev = _cuda_name(device.index)
     else:
         dev = f"cpu: {cpu_name()} ({torch.get_num_threads()} threads)"
     return {
