@@ -241,11 +241,13 @@ def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
             continue
         try:
             rows = fns[name]()
+            if device.type == "cuda":  # errors of its last kernels surface here, in their stage
+                torch.cuda.synchronize(device)
             if rows:
                 write_csv(out / f"{name}.csv", rows, device)
                 tables[name] = pd.DataFrame(rows)
             print(f"[{time.time() - t_start:6.1f}s] {name}: {len(rows)} rows ({time.time() - t0:.1f}s)")
-            if device.type == "cuda":  # hand back its cached blocks: a fresh process may need them
+            if device.type == "cuda":  # its cached blocks back to the device: a fresh process may need them
                 torch.cuda.empty_cache()
         except Exception as e:  # a failing stage is recorded and the suite goes on
             failures.append({"stage": name, "error": f"{type(e).__name__}: {e}",
