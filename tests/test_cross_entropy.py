@@ -49,7 +49,7 @@ OPTIONS = [
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Force several token chunks (64 rows each) on the chunked CPU path."""
+    """Force several token chunks (16 rows each, _chunk_rows' floor) on the chunked CPU path."""
     monkeypatch.setattr(ce_mod, "_CHUNK_ELEMS", 1)
 
 

@@ -1,8 +1,10 @@
 """linear_attention: every path vs the token-by-token reference (fp64 truth), output, final state
-and every gradient; split-and-resume; decode steps; fp16 by the low-precision rule."""
+and every gradient; split-and-resume; decode steps; fp16 by the low-precision rule, also with a
+state beyond fp16's range; a decay that requires grad refused off the reference path."""
 import pytest
 import torch
 
+from fractus.kernels import linear_attention as la
 from fractus.kernels.linear_attention import linear_attention, linear_attention_reference
 from tests.util import assert_lowp, assert_rel
 
@@ -33,9 +35,9 @@ def make(B, T, H, D, decay, state, dtype=torch.float32, levels=2):
     return q, k, v, w, g, st
 
 
-def run(inputs, dtype, grad=True, **kw):
+def run(inputs, dtype, grad=True, state_loss=True, **kw):
     """Call linear_attention on copies cast to dtype; returns (o, S, z) + grads of
-    (q, k, v, w, S0, z0) for a fixed random loss on every output."""
+    (q, k, v, w, S0, z0) for a fixed random loss on every output (on o only without state_loss)."""
     q, k, v, w, g, st = inputs
     sdt = torch.float64 if dtype == torch.float64 else torch.float32  # state and level weights
     leaves = [x.detach().to(dtype).requires_grad_(grad) for x in (q, k, v)]
@@ -50,7 +52,7 @@ def run(inputs, dtype, grad=True, **kw):
     if grad:
         gen = torch.Generator().manual_seed(1)
         loss = sum((x.double() * torch.randn(x.shape, generator=gen, dtype=torch.float64)).sum()
-                   for x in outs)
+                   for x in (outs if state_loss else outs[:1]))
         outs += list(torch.autograd.grad(loss, leaves))
     return outs
 
@@ -103,14 +105,34 @@ def test_triton_vs_reference(T, D, decay, state):
     compare(got, truth, 1e-4, T, state)
 
 
+class _Launches:
+    """A Triton kernel that counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def decode_launches(monkeypatch):
+    """Counts the decode kernel's launches."""
+    counter = _Launches(la._la_decode_kernel)
+    monkeypatch.setattr(la, "_la_decode_kernel", counter)
+    return counter
+
+
 @pytest.mark.parametrize("T,D,decay,state", [(1, 48, True, True), (1, 32, False, False),
                                              (5, 64, True, False), (16, 48, False, True)])
-def test_triton_decode_kernel(T, D, decay, state):
+def test_triton_decode_kernel(decode_launches, T, D, decay, state):
     """T <= 16 without autograd runs the one-launch decode kernel."""
     inputs = make(2, T, 3, D, decay, state)
     truth = run(inputs, torch.float64, grad=False, backend="reference")
     with torch.no_grad():
         got = run(inputs, torch.float32, grad=False, backend="triton")
+    assert decode_launches.count == 1
     for name, x, ref in zip(NAMES, got, truth):
         assert_rel(x.double(), ref, 1e-5, name)
 
@@ -166,18 +188,59 @@ def test_split_and_resume(path):
     assert_rel(state[1], z6, 1e-5, "decode z")
 
 
-@pytest.mark.parametrize("path,T,grad", [("torch", 40, True), ("triton", 100, True), ("triton", 5, False)])
-def test_fp16(path, T, grad):
-    inputs = make(2, T, 2, 48, True, True, dtype=torch.float16)
-    truth = run(inputs, torch.float64, grad=grad, backend="reference")
-    ref16 = run(inputs, torch.float16, grad=grad, backend="reference")
+def _assert_fp16(inputs, grad, path, state_loss=True):
+    """fp16 run of path vs the fp64 truth, by the low-precision rule against the fp16 reference."""
+    truth = run(inputs, torch.float64, grad, state_loss, backend="reference")
+    ref16 = run(inputs, torch.float16, grad, state_loss, backend="reference")
     with torch.set_grad_enabled(grad):
-        got = run(inputs, torch.float16, grad=grad, backend=path)
+        got = run(inputs, torch.float16, grad, state_loss, backend=path)
     assert got[0].dtype == torch.float16 and got[1].dtype == torch.float32
     for name, x, r, t in zip(NAMES, got, ref16, truth):
         # dw = Σ dO·y_l over B·T·H·D terms that largely cancel: the fp16 rounding of the dot
         # operands in y (~3e-4) comes out ~10x larger there; the references compute y in fp32.
         assert_lowp(x, r, t, 3e-3 if name == "dw" else 1e-3, name)
+
+
+@pytest.mark.parametrize("path,T,grad", [("torch", 40, True), ("triton", 100, True), ("triton", 5, False)])
+def test_fp16(path, T, grad):
+    _assert_fp16(make(2, T, 2, 48, True, True, dtype=torch.float16), grad, path)
+
+
+def large_state(inputs, scale=1e5):
+    """inputs with the state (S, z) scaled by scale and held at fp32 values: a state carried
+    over ~scale tokens, beyond fp16's range (65504)."""
+    *rest, (S, z) = inputs
+    return (*rest, tuple((x * scale).float().double() for x in (S, z)))
+
+
+@pytest.mark.parametrize("state_loss", [True, False])
+def test_fp16_large_state(state_loss):
+    """fp16 inputs, no decay, fp32 state ~1e5 (so dO/den ~1e-7): the chunked forward and backward
+    (several chunks) keep the state, its gradient and dO/den out of fp16. Output, final state and
+    every gradient by the low-precision rule; the loss on o only is training's (state detached)."""
+    inputs = large_state(make(2, 70, 2, 32, False, True, dtype=torch.float16))
+    _assert_fp16(inputs, True, "triton", state_loss)
+
+
+def test_fp16_large_state_decode(decode_launches):
+    """The decode kernel with the same state (it keeps every state quantity in fp32)."""
+    _assert_fp16(large_state(make(2, 5, 2, 32, False, True, dtype=torch.float16)), False, "triton")
+    assert decode_launches.count == 1
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_decay_requiring_grad_is_an_error(path):
+    """Only the reference differentiates through decay: the other paths refuse a decay that
+    requires grad instead of dropping its gradient; under no_grad nothing is dropped."""
+    q, k, v, w, _, _ = (x.float() if torch.is_tensor(x) else x for x in make(2, 20, 2, 16, False, False))
+    g = torch.full((2,), 0.9, requires_grad=True)
+    with pytest.raises(ValueError, match="no gradient for decay"):
+        linear_attention(q, k, v, w, OMEGAS, g, backend=path)
+    o, _ = linear_attention(q, k, v, w, OMEGAS, g, backend="reference")
+    assert torch.autograd.grad(o.sum(), g)[0].abs().sum() > 0
+    with torch.no_grad():
+        o2, _ = linear_attention(q, k, v, w, OMEGAS, g, backend=path)
+    assert_rel(o2, o.detach(), 1e-5, "o under no_grad")
 
 
 def test_bad_state_shape():

@@ -138,7 +138,7 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
         S = torch.zeros(B, N, D, D + 1, device=q.device)
     else:
         S = torch.cat([state[0].float(), state[1].float()[..., None]], -1).reshape(B, N, D, D + 1)
-    lg = None if decay is None else torch.log(decay.detach().float()).repeat(Lv)
+    lg = None if decay is None else torch.log(decay.float()).repeat(Lv)
     C = min(_CPU_CHUNK, T)
     full = (T // C) * C
     ys = []
@@ -161,6 +161,10 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
 # reverse recurrence for (dS, dz), then a parallel gradient pass; one-launch decode kernel.
 # Folded head index n = (b·Lv + l)·H + h. Chunk-state buffers: [B, Lv, H, NC, D, D] / [.., D] fp32.
 # ----------------------------------------------------------------------------------------------
+# Dot operands are the input dtype DT, but SDT = fp32 for fp16 inputs (tf32 on the GPU) in the dots
+# that meet the state S, its gradient dS, g = dO·w/den or dA: S and den grow with the tokens seen
+# (γ = 1) past fp16's 65504, and g, dA and dS (sums of g) shrink below its smallest normal, 6e-5.
+# bf16 has fp32's range and keeps DT.
 
 _DECODE_MAX_T = 16
 
@@ -290,6 +294,7 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
     same with z_c and a ones column (M_ts = γ^{t−s}, t ≥ s); o = Σ_l w_l num/(den + eps).
     With STORE_Y, per-level y [Lv, B, T, H, D] and den [B, Lv, H, T] (fp32) are kept for backward."""
     DT = v_ptr.dtype.element_ty
+    SDT = tl.float32 if DT == tl.float16 else DT
     c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, BT, BD)
     rd, dmask, smask, soff = _state_index(D, BD)
     lg = tl.log(tl.load(g_ptr + h))
@@ -305,7 +310,7 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
         z = tl.load(zs_ptr + hoff * D + rd, mask=dmask, other=0.0)
         qd = fq * gq[:, None]
         A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
-        num = tl.dot(qd.to(DT), S.to(DT), input_precision=PREC)
+        num = tl.dot(qd.to(SDT), S.to(SDT), input_precision=PREC)
         num += tl.dot(A.to(DT), vx, input_precision=PREC)
         den = tl.sum(qd * z[None, :], 1) + tl.sum(A, 1)
         y = num / (den + eps)[:, None]
@@ -332,7 +337,7 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
                           BD: tl.constexpr):
     """Reverse recurrence for one folded head: stores the grad of each chunk's end state, then
     dS ← γ^L·dS + (γ^{i+1} f(q))ᵀ g, dz ← γ^L·dz + (γ^{i+1} f(q))ᵀ gz; optional initial-state grad."""
-    DT = q_ptr.dtype.element_ty
+    SDT = tl.float32 if q_ptr.dtype.element_ty == tl.float16 else q_ptr.dtype.element_ty
     n = tl.program_id(0).to(tl.int64)
     h = n % H
     l = (n // H) % LV
@@ -360,7 +365,7 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
         den = tl.load(den_ptr + n * T + t, mask=tmask, other=0.0)
         g, gz = _out_grads(do, y, den, wl, eps)
         gL = tl.exp(lg * tl.minimum(T - c * BT, BT).to(tl.float32))
-        dS = dS * gL + tl.dot(tl.trans(qd.to(DT)), g.to(DT), input_precision=PREC)
+        dS = dS * gL + tl.dot(tl.trans(qd.to(SDT)), g.to(SDT), input_precision=PREC)
         dz = dz * gL + tl.sum(qd * gz[:, None], 0)
     if STORE_DINIT:
         tl.store(ds0_ptr + n * D * D + soff, dS, mask=smask)
@@ -376,6 +381,7 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
     end-state grads dS, dz; intra-chunk terms through the decay mask), summed over levels with
     the feature-map derivative; per-level Σ dO·y_l into dwp [B·H, NC, Lv] for the level weights."""
     DT = v_ptr.dtype.element_ty
+    SDT = tl.float32 if DT == tl.float16 else DT
     c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, BT, BD)
     rd, dmask, smask, soff = _state_index(D, BD)
     lg = tl.log(tl.load(g_ptr + h))
@@ -400,17 +406,15 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
         z = tl.load(zs_ptr + hoff * D + rd, mask=dmask, other=0.0)
         dS = tl.load(dhs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
         dz = tl.load(dzs_ptr + hoff * D + rd, mask=dmask, other=0.0)
-        gd = g.to(DT)
-        fqd = fq.to(DT)
-        fkd = fk.to(DT)
-        dA = (tl.dot(gd, tl.trans(vx), input_precision=PREC) + gz[:, None]) * M
-        A = tl.dot(fqd, tl.trans(fkd), input_precision=PREC) * M
-        dqf = tl.dot(gd, tl.trans(S).to(DT), input_precision=PREC) + gz[:, None] * z[None, :]
-        dqf = dqf * gq[:, None] + tl.dot(dA.to(DT), fkd, input_precision=PREC)
-        dkf = tl.dot(vx, tl.trans(dS).to(DT), input_precision=PREC) + dz[None, :]
-        dkf = dkf * gk[:, None] + tl.dot(tl.trans(dA).to(DT), fqd, input_precision=PREC)
-        dvf = tl.dot(fkd, dS.to(DT), input_precision=PREC) * gk[:, None]
-        dvf += tl.dot(tl.trans(A).to(DT), gd, input_precision=PREC)
+        gd, vs, fqs, fks = g.to(SDT), vx.to(SDT), fq.to(SDT), fk.to(SDT)
+        dA = (tl.dot(gd, tl.trans(vs), input_precision=PREC) + gz[:, None]) * M
+        A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
+        dqf = tl.dot(gd, tl.trans(S).to(SDT), input_precision=PREC) + gz[:, None] * z[None, :]
+        dqf = dqf * gq[:, None] + tl.dot(dA.to(SDT), fks, input_precision=PREC)
+        dkf = tl.dot(vs, tl.trans(dS).to(SDT), input_precision=PREC) + dz[None, :]
+        dkf = dkf * gk[:, None] + tl.dot(tl.trans(dA).to(SDT), fqs, input_precision=PREC)
+        dvf = tl.dot(fks, dS.to(SDT), input_precision=PREC) * gk[:, None]
+        dvf += tl.dot(tl.trans(A).to(SDT), gd, input_precision=PREC)
         # d f / d x = 1 where x + ω > 0, else exp(x + ω) = f (and 0 on padding, where f = 0)
         dq += dqf * tl.where(qx + om > 0, 1.0, fq)
         dk += dkf * tl.where(kx + om > 0, 1.0, fk)
@@ -576,7 +580,7 @@ def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps):
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     w = level_weights.contiguous()
     om = _const(omegas, q.device)
-    g = _const([1.0] * H, q.device) if decay is None else decay.detach().float().contiguous()
+    g = _const([1.0] * H, q.device) if decay is None else decay.float().contiguous()
     S0 = z0 = None
     if state is not None:
         S0, z0 = state[0].float().contiguous(), state[1].float().contiguous()
@@ -606,12 +610,17 @@ def linear_attention(q, k, v, level_weights, omegas, decay=None, state=None, eps
 
     q, k, v [B, T, H, D]; level_weights [Lv]; omegas Lv floats; decay None or [H];
     state None or (S [B, Lv, H, D, D], z [B, Lv, H, D]). Returns (o [B, T, H, D] in q's dtype,
-    (S, z) fp32 after the last position); differentiable in q, k, v, level_weights and state.
+    (S, z) fp32 after the last position); differentiable in q, k, v, level_weights and state,
+    and in decay on the reference path only.
     """
     path = _backend.pick(backend, q)
     if path == "reference":
         return linear_attention_reference(q, k, v, level_weights, omegas, decay, state, eps)
     _check(q, k, v, level_weights, omegas, decay, state)
+    if decay is not None and decay.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"the {path} path of linear_attention has no gradient for decay: pass a "
+                         "decay that does not require grad (a buffer, or decay.detach()), or use "
+                         "backend='reference'")
     omegas = [float(om) for om in omegas]
     if path == "triton":
         return _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps)
