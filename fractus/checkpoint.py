@@ -5,6 +5,7 @@ read back with ``torch.load(weights_only=True)``, so a crafted pickle cannot run
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import tempfile
@@ -89,3 +90,15 @@ def check_model_state(model: torch.nn.Module, state: dict, source="checkpoint") 
 def load_model_state(model: torch.nn.Module, state: dict, source="checkpoint") -> None:
     """``load_state_dict`` that names every missing, unexpected or mis-shaped tensor."""
     model.load_state_dict(check_model_state(model, state, source))
+
+
+def weights_fingerprint(state: dict) -> str:
+    """Hash of every tensor's name, dtype, shape and bytes: equal exactly for equal weights.
+
+    The trainer records it for the weights a run starts from (``ancestor``); :mod:`fractus.merge`
+    averages only checkpoints with the same ancestor."""
+    h = hashlib.blake2b(digest_size=16)
+    for k, v in sorted(strip_compile_prefix(state).items()):
+        h.update(f"{k}|{v.dtype}|{tuple(v.shape)}".encode())
+        h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()

@@ -12,7 +12,9 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +114,18 @@ def _write_tokens(path: Path, ids: list[int], vocab_size: int) -> None:
     os.replace(tmp, path)
 
 
+def write_toy_corpus(path: str | Path, n_lines: int = 600, seed: int = 0) -> Path:
+    """A small deterministic text of random sentences over 23 words (tests and the GPU suite's
+    trainer check, which run without the default corpus)."""
+    rng = random.Random(seed)
+    words = ("the a cat dog sat on mat ran far and then slept while birds sang over hills of green "
+             "grass under blue sky").split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + "."
+             for _ in range(n_lines)]
+    Path(path).write_text("\n".join(lines) + "\n")
+    return Path(path)
+
+
 def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192,
             val_fraction: float = 0.1) -> dict:
     """Tokenize ``input_path`` (or ``"shakespeare"``) into ``out_dir``; returns the meta dict."""
@@ -176,6 +190,8 @@ class TokenStreams:
     position: int = 0
 
     def __post_init__(self):
+        if self.batch_size < 1 or self.chunk_len < 1:
+            raise ValueError(f"batch_size and chunk_len must be ≥ 1, got {self.batch_size} and {self.chunk_len}")
         n_streams = self.batch_size * self.world
         self.stream_len = (len(self.tokens) - 1) // n_streams
         self.chunks_per_epoch = self.stream_len // self.chunk_len
@@ -205,7 +221,11 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--val-fraction", type=float, default=0.1)
     a = ap.parse_args(argv)
-    meta = prepare(a.input, a.out, a.vocab, a.val_fraction)
+    try:
+        meta = prepare(a.input, a.out, a.vocab, a.val_fraction)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     for split in ("train", "val"):
         m = meta[split]
         print(f"{split}: {m['tokens']:,} tokens, {m['bytes']:,} bytes, "

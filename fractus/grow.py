@@ -172,22 +172,23 @@ def _grow_block(new, old, src: FractusConfig, cfg: FractusConfig, c: float) -> N
     a.out.weight.copy_(_writer(_padded(b.out.weight, (d, d2)), 0, d2, c))
     a.out.bias.copy_(_writer(b.out.bias, 0, d2, c))
     a.level_logits.copy_(b.level_logits)
-    # Kuramoto clock: m twins per old oscillator
-    k, o = new.clock, old.clock
-    _norm(k.ln, o.ln, 1 / c, 1.0)
-    N, N2, R = src.n_oscillators, cfg.n_oscillators, src.coupling_rank
-    m = N2 // N
-    for t in range(m):
-        rows = slice(t * N, (t + 1) * N)
-        k.encoder.weight[rows, :d].copy_(o.encoder.weight)
-        n_new = torch.arange(t * N, (t + 1) * N, dtype=torch.float64)
-        n_old = torch.arange(N, dtype=torch.float64)
-        shift = 2 * math.pi * (n_old / N - n_new / N2)
-        k.encoder.bias[rows].copy_(o.encoder.bias.double() + shift.to(o.encoder.bias.device))
-        k.omega[rows].copy_(o.omega)
-        k.U[rows, :R].copy_(o.U / math.sqrt(m))
-    k.lam.zero_()
-    k.lam[:R].copy_(o.lam)
+    # Kuramoto clock (the phase router's): m twins per old oscillator
+    if new.clock is not None:
+        k, o = new.clock, old.clock
+        _norm(k.ln, o.ln, 1 / c, 1.0)
+        N, N2, R = src.n_oscillators, cfg.n_oscillators, src.coupling_rank
+        m = N2 // N
+        for t in range(m):
+            rows = slice(t * N, (t + 1) * N)
+            k.encoder.weight[rows, :d].copy_(o.encoder.weight)
+            n_new = torch.arange(t * N, (t + 1) * N, dtype=torch.float64)
+            n_old = torch.arange(N, dtype=torch.float64)
+            shift = 2 * math.pi * (n_old / N - n_new / N2)
+            k.encoder.bias[rows].copy_(o.encoder.bias.double() + shift.to(o.encoder.bias.device))
+            k.omega[rows].copy_(o.omega)
+            k.U[rows, :R].copy_(o.U / math.sqrt(m))
+        k.lam.zero_()
+        k.lam[:R].copy_(o.lam)
     # experts
     e, f = new.moe, old.moe
     E = src.n_experts

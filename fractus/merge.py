@@ -7,10 +7,12 @@ from ``torch.compile`` models are accepted. The result holds only the config and
 no optimizer, schedule, data position or carried recurrent state — start training from it with
 ``python -m fractus.train --grow-from M.pt …`` (same preset: a plain copy, fresh optimizer).
 
-Averaging only makes sense for models that share an ancestor (runs started from one checkpoint,
-e.g. shards trained with ``--grow-from BASE.pt`` on different data): independently initialised
-models are not aligned, and their mean is not a model. The CLI prints each input's relative
-distance to the mean as a check.
+Averaging only makes sense for models that share an ancestor (runs started from the same
+weights: one checkpoint, e.g. shards trained with ``--grow-from BASE.pt`` on different data, or
+one seed): independently initialised models are not aligned, and their mean is not a model. So
+every input must record its ``ancestor``, the fingerprint of the weights its run started from
+(:func:`fractus.checkpoint.weights_fingerprint`; the trainer writes it), and all must agree; the
+merge keeps it. The CLI prints each input's relative distance to the mean.
 """
 from __future__ import annotations
 
@@ -29,13 +31,22 @@ RUN_FIELDS = ("backend", "chunk_len", "lb_coef", "detach_kuramoto", "fused_ce")
 
 
 def merge(paths: list[str | Path], out: str | Path | None = None) -> dict:
-    """Mean of the checkpoints' parameters → checkpoint dict {config, model, merged_from};
+    """Mean of the checkpoints' parameters → checkpoint dict {config, model, ancestor, merged_from};
     written atomically to ``out`` when given. Raises CheckpointError when the inputs differ."""
     if len(paths) < 2:
         raise CheckpointError(f"merge needs at least two checkpoints, got {len(paths)}")
-    acc, first_cfg = {}, None
+    acc, first_cfg, ancestor = {}, None, None
     for path in paths:
         ck = load_checkpoint(path)
+        if "ancestor" not in ck:
+            raise CheckpointError(f"{path} does not record the weights its run started from ('ancestor'): "
+                                  "merge only checkpoints written by `python -m fractus.train` (or saved "
+                                  "with ancestor=weights_fingerprint(starting weights))")
+        if ancestor is not None and ck["ancestor"] != ancestor:
+            raise CheckpointError(f"cannot merge {paths[0]} and {path}: they started from different weights "
+                                  f"(ancestor {ancestor} vs {ck['ancestor']}); independently initialised "
+                                  "models are not aligned, and their mean is not a model")
+        ancestor = ck["ancestor"]
         if first_cfg is None:
             first_cfg = ck["config"]
             try:
@@ -64,7 +75,7 @@ def merge(paths: list[str | Path], out: str | Path | None = None) -> dict:
             else:
                 acc[k] = v.double()
     model = {k: (v / len(paths)).float() if k in params else v for k, v in acc.items()}
-    merged = {"config": first_cfg, "model": model, "merged_from": [str(p) for p in paths]}
+    merged = {"config": first_cfg, "model": model, "ancestor": ancestor, "merged_from": [str(p) for p in paths]}
     if out is not None:
         save_checkpoint(out, merged)
     return merged

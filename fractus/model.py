@@ -85,7 +85,7 @@ class FractusConfig:
     def preset(cls, name: str, **overrides) -> "FractusConfig":
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls.from_dict({**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -98,7 +98,7 @@ class FractusConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown config keys {sorted(unknown)}")
+            raise ValueError(f"unknown config keys {sorted(unknown)}; the fields are {sorted(known)}")
         return cls(**d)
 
 
@@ -234,8 +234,9 @@ class PhaseRoutedMoE(nn.Module):
         g = self.log_kappa.exp() / self.cfg.gate_tau * torch.cos(psi.unsqueeze(-1) - self.phases)
         return g + self.gate_bias
 
-    def forward(self, h: torch.Tensor, psi: torch.Tensor):
-        """h [B, T, d], ψ [B, T] → (update [B, T, d], probs [B, T, E], expert ids [B, T, K])."""
+    def forward(self, h: torch.Tensor, psi: torch.Tensor | None):
+        """h [B, T, d], ψ [B, T] (None for the linear router) → (update [B, T, d], probs [B, T, E],
+        expert ids [B, T, K])."""
         B, T, d = h.shape
         m = self.ln(h)
         p = self.gate_logits(m, psi).float().softmax(-1)
@@ -266,15 +267,17 @@ class Block(nn.Module):
     def __init__(self, cfg: FractusConfig):
         super().__init__()
         self.attn = LinearAttention(cfg)
-        self.clock = KuramotoClock(cfg)
+        self.clock = KuramotoClock(cfg) if cfg.router == "phase" else None  # the linear router reads m
         self.moe = PhaseRoutedMoE(cfg)
 
     def forward(self, h, state):
         with record_function("attention"):
             a, state = self.attn(h, state)
             h = h + a
-        with record_function("kuramoto"):
-            psi = self.clock(h)
+        psi = None
+        if self.clock is not None:
+            with record_function("kuramoto"):
+                psi = self.clock(h)
         with record_function("moe"):
             out, p, idx = self.moe(h, psi)
         return h + out, state, p, idx
@@ -413,7 +416,7 @@ class FractusCTE(nn.Module):
         if ids.numel() == 0:
             raise ValueError("the prompt is empty: give at least one token")
         gen = torch.Generator(device=ids.device)
-        gen.manual_seed(seed if seed is not None else torch.seed())
+        gen.manual_seed(seed) if seed is not None else gen.seed()  # seed None: fresh, global RNG untouched
         was_training = self.training
         self.eval()
         logits, _, state = self.forward(ids.view(1, -1))

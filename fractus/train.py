@@ -4,8 +4,8 @@ The training split is cut into B contiguous streams; each micro-step reads the n
 chunk of every stream and carries the attention state (S, z), detached, across chunks. An
 optimizer step accumulates ``--accum`` micro-steps. Validation reports cross-entropy in
 nats/token, bits per byte and perplexity on the held-out split. Checkpoints hold model,
-optimizer, scheduler, data position, carried state and RNG, and are written atomically;
-``--resume`` continues exactly. ``--grow-from CKPT`` starts from a checkpoint grown to the
+optimizer, scheduler, data position, every process's carried state and RNG, and are written
+atomically; ``--resume`` continues exactly. ``--grow-from CKPT`` starts from a checkpoint grown to the
 preset (:mod:`fractus.grow`: same logits) with a fresh optimizer. SIGINT/SIGTERM save and exit.
 Several processes:
 ``torchrun --nproc_per_node=N -m fractus.train …`` (DDP; gloo on CPU, NCCL on CUDA; gradients are
@@ -28,17 +28,27 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fractus.allocator import keep_freed_memory
-from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
+from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
 from fractus.data import TokenStreams, load_meta, load_tokens
 from fractus.grow import grow
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 
 PROMPTS = ("The meaning of life is", "Hello, my name is", "Once upon a time")
-METRIC_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "tok_s", "skipped",
+METRIC_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "tok_s", "skipped",
                  "val_ce", "val_bpb", "val_ppl", "elapsed_s")
-# Arguments that must match when resuming (the rest, e.g. --tokens, may change).
-RESUME_KEYS = ("preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "set")
+# Arguments that must match when resuming: those that shape the run (--tokens may change: it
+# lengthens or shortens the schedule; so may the device, logging, evaluation and checkpoint cadence).
+RESUME_KEYS = ("preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "set", "lr",
+               "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "lb_coef", "head_positions",
+               "detach_kuramoto", "active_blocks", "bf16")
+
+
+def positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {n}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,11 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--preset", default="palier0", choices=sorted(PRESETS))
     a("--data", required=True, help="directory written by `python -m fractus.data prepare`")
     a("--out", required=True, help="run directory: checkpoints, metrics.csv")
-    a("--tokens", type=int, default=3_000_000, help="training tokens (all processes together)")
+    a("--tokens", type=positive_int, default=3_000_000, help="training tokens (all processes together)")
     a("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. n_layers=4")
-    a("--batch-size", type=int, default=8, help="streams per process (B)")
-    a("--chunk-len", type=int, default=32, help="positions per chunk (C)")
-    a("--accum", type=int, default=8, help="micro-steps per optimizer step")
+    a("--batch-size", type=positive_int, default=8, help="streams per process (B)")
+    a("--chunk-len", type=positive_int, default=32, help="positions per chunk (C)")
+    a("--accum", type=positive_int, default=8, help="micro-steps per optimizer step")
     a("--head-positions", default="all", choices=("all", "last"))
     a("--detach-kuramoto", action="store_true")
     a("--optimizer", default="adamw", choices=("sgd", "adamw", "rmsprop"))
@@ -70,8 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval-every", type=int, default=200, help="optimizer steps between validations (0 = end only)")
     a("--eval-tokens", type=int, default=65_536, help="validation tokens per periodic evaluation")
     a("--ckpt-every", type=int, default=200, help="optimizer steps between checkpoints")
-    a("--max-nan", type=int, default=3, help="stop after this many consecutive non-finite steps")
+    a("--max-nan", type=positive_int, default=3,
+      help="stop after this many consecutive non-finite steps (loss or gradient)")
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    a("--stop-after", type=positive_int, default=None, metavar="STEPS",
+      help="save and stop after STEPS optimizer steps of this invocation, as on SIGTERM (for jobs "
+           "with a time limit; continue with --resume)")
     a("--grow-from", metavar="CKPT",
       help="start from CKPT's model grown to the preset (fresh optimizer; ignored with --resume)")
     a("--sample-tokens", type=int, default=40, help="tokens generated per prompt at the end (0 = none)")
@@ -239,6 +253,30 @@ def rng_state() -> dict:
     return st
 
 
+def state_to(state, device):
+    """The carried state (per block (S, z), or None), detached, on ``device``."""
+    return None if state is None else [(S.detach().to(device), z.detach().to(device)) for S, z in state]
+
+
+def gather_states(state, rank: int, world: int) -> list | None:
+    """Every process's carried state (CPU), indexed by rank, on rank 0 (None elsewhere)."""
+    if world == 1:
+        return [state]
+    states = [None] * world if rank == 0 else None
+    dist.gather_object(state, states, dst=0)
+    return states
+
+
+def agree(finite: bool, stop: bool, device: torch.device, world: int) -> tuple[bool, bool]:
+    """(every process's loss finite, any process asked to stop): all take the same decisions."""
+    if world == 1:
+        return finite, stop
+    flags = torch.tensor([float(not finite), float(stop)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad, stop_any = flags.tolist()
+    return not bad, bool(stop_any)
+
+
 def set_rng_state(st: dict) -> None:
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
@@ -297,17 +335,20 @@ def train(argv=None) -> dict:
         raise ValueError("--active-blocks must be ≤ n_layers, and is single-process only")
 
     torch.manual_seed(args.seed)
-    model = (grow(args.grow_from, cfg) if args.grow_from and not args.resume else FractusCTE(cfg)).to(device)
+    model = grow(args.grow_from, cfg) if args.grow_from and not args.resume else FractusCTE(cfg)
+    ancestor = None if args.resume else weights_fingerprint(model.state_dict())  # what merge checks
+    model = model.to(device)
     opt = make_optimizer(model, args.optimizer, lr, args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, total_steps, args.min_lr_ratio))
-    step, state, elapsed = 0, None, 0.0
+    step, state, elapsed, nan_run, skipped = 0, None, 0.0, 0, 0
     if args.resume:
         if not ckpt_path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ck = load_checkpoint(ckpt_path, map_location=device)
-        if not {"args", "optimizer", "scheduler", "state", "rng"} <= set(ck):
-            raise CheckpointError(f"{ckpt_path} holds a model but no training state: start a new run "
-                                  f"from it with --grow-from")
+        ck = load_checkpoint(ckpt_path)  # on the CPU: RNG states must stay there
+        lacking = sorted({"args", "optimizer", "scheduler", "states", "rng", "counters", "ancestor"} - set(ck))
+        if lacking:
+            raise CheckpointError(f"{ckpt_path} holds a model but no training state (no {', '.join(lacking)}): "
+                                  f"start a new run from it with --grow-from")
         saved = ck["args"]
         diff = {k: (saved.get(k), getattr(args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(args, k)}
         if ck.get("world", 1) != world:
@@ -318,7 +359,8 @@ def train(argv=None) -> dict:
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
         step, elapsed, streams.position = ck["step"], ck["elapsed_s"], ck["data_position"]
-        state = ck["state"]
+        state = state_to(ck["states"][rank], device)
+        nan_run, skipped, ancestor = ck["counters"]["nan_run"], ck["counters"]["skipped"], ck["ancestor"]
         set_rng_state(ck["rng"])
         if master:
             truncate_metrics(metrics_path, step)
@@ -333,11 +375,14 @@ def train(argv=None) -> dict:
     token_bytes = token_byte_lengths(get_tokenizer(cfg.vocab_size))
 
     def save():
+        """Every process calls it: each one's carried state goes into the checkpoint."""
+        states = gather_states(state_to(state, "cpu"), rank, world)
         if master:
             save_checkpoint(ckpt_path, {
                 "config": cfg.to_dict(), "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict(), "step": step, "data_position": streams.position,
-                "state": FractusCTE.detach_state(state), "rng": rng_state(), "elapsed_s": elapsed,
+                "states": states, "rng": rng_state(), "elapsed_s": elapsed,
+                "counters": {"nan_run": nan_run, "skipped": skipped}, "ancestor": ancestor,
                 "args": vars(args), "world": world,
                 "meta": {"vocab_size": meta["vocab_size"], "source": meta["source"]}})
 
@@ -350,9 +395,9 @@ def train(argv=None) -> dict:
               f"{tokens_per_step:,} tokens/step, lr {lr:g} ({args.optimizer}), {total_steps} steps")
     bar = tqdm(total=total_steps, initial=step, disable=not master or args.no_progress,
                unit="step", dynamic_ncols=True)
-    nan_run, skipped, last = 0, 0, {}
+    last, stopping, first_step = {}, False, step
     with Stop() as stop:
-        while step < total_steps and not stop.requested:
+        while step < total_steps and not stopping:
             t0 = time.perf_counter()
             if args.active_blocks:
                 act = set(choose_active_blocks(cfg.n_layers, args.active_blocks, args.seed, step))
@@ -362,33 +407,35 @@ def train(argv=None) -> dict:
             batches = (streams.next() for _ in range(args.accum))
             ce, lb, state, finite = micro_steps(fwd, batches, state, args.accum, args.head_positions,
                                                 device, bf16, net.no_sync if world > 1 else None)
-            if world > 1:
-                flag = torch.tensor([float(finite)], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                finite = bool(flag.item())
-            if not finite:
+            finite, stopping = agree(finite, stop.requested, device, world)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            grad_norm = float(norm) if finite else float("nan")
+            if not math.isfinite(grad_norm):  # a finite loss can still overflow in the backward
+                what = "loss" if not finite else "gradient"
                 opt.zero_grad(set_to_none=True)
                 state = state_before
                 streams.position = pos_before + args.accum  # skip the bad data, keep the state
                 nan_run += 1
                 skipped += 1
-                tqdm.write(f"step {step}: non-finite loss, step skipped ({nan_run}/{args.max_nan} in a row)")
+                tqdm.write(f"step {step}: non-finite {what}, step skipped ({nan_run}/{args.max_nan} in a row)")
                 if nan_run >= args.max_nan:
                     save()
-                    raise NonFiniteLoss(f"{nan_run} consecutive non-finite losses at step {step}; "
-                                        f"last good state saved to {ckpt_path}")
+                    raise NonFiniteLoss(f"{nan_run} consecutive non-finite steps (the last: {what}) at step "
+                                        f"{step}; last good state saved to {ckpt_path}")
                 continue
             nan_run = 0
             if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.grad_clip, norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
+            stopping = stopping or (args.stop_after is not None and step - first_step >= args.stop_after
+                                    and step < total_steps)
             dt = time.perf_counter() - t0
             elapsed += dt
             last = {"step": step, "tokens": step * tokens_per_step, "lr": sched.get_last_lr()[0],
-                    "train_ce": ce, "train_lb": lb,
+                    "train_ce": ce, "train_lb": lb, "grad_norm": grad_norm,
                     "tok_s": tokens_per_step / dt, "skipped": skipped, "elapsed_s": elapsed}
             bar.update(1)
             bar.set_postfix(ce=f"{last['train_ce']:.3f}", tok_s=f"{last['tok_s']:,.0f}")
@@ -403,9 +450,10 @@ def train(argv=None) -> dict:
                 save()
     bar.close()
     save()
-    if stop.requested:
+    if stopping:
         if master:
-            print(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; rerun with --resume")
+            print(f"stopped at step {step} of {total_steps}: checkpoint saved to {ckpt_path}; "
+                  f"rerun with --resume")
         return last
     if master:
         final = evaluate(model, val_tok, args.batch_size, args.chunk_len, None, token_bytes, device, bf16)

@@ -1,5 +1,7 @@
-"""Several processes: one DDP step of 2 gloo processes (torchrun on 127.0.0.1) equals one
-single-process step on the same global batch."""
+"""Several processes (2 gloo processes, torchrun on 127.0.0.1): one DDP step equals one
+single-process step on the same global batch; a stop asked by one process stops all at the same
+step, and the resumed run equals an uninterrupted one (each process gets its own carried state)."""
+import csv
 import subprocess
 import sys
 
@@ -10,7 +12,7 @@ import torch.distributed as dist
 from fractus.checkpoint import load_checkpoint
 from fractus.model import FractusConfig, FractusCTE
 from fractus.train import train
-from test_train import ROOT, make_corpus
+from test_train import ROOT, SAME, make_corpus
 from util import rel_err
 
 
@@ -42,3 +44,47 @@ def test_ddp_step_equals_single_process_step(tmp_path, extra):
     p0 = torch.cat([v.flatten() for v in init.values()])
     assert (pb - p0).norm() > 0.1
     assert rel_err(pa - p0, pb - p0) < 1e-4, "the updates differ"
+
+
+STOP_ON_RANK_1 = """
+import os, sys
+import fractus.train as T
+orig, calls = T.agree, []
+def agree(finite, stop, device, world):  # rank 1 alone is asked to stop, during its 3rd step
+    calls.append(1)
+    return orig(finite, stop or (os.environ["RANK"] == "1" and len(calls) == 3), device, world)
+T.agree = agree
+T.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch build has no gloo backend")
+def test_ddp_stop_and_resume_equals_uninterrupted(tmp_path):
+    data = make_corpus(tmp_path)
+    (tmp_path / "stop.py").write_text(STOP_ON_RANK_1)
+    common = ["--preset", "tiny", "--data", str(data), "--tokens", str(6 * 2 * 2 * 16), "--batch-size", "2",
+              "--chunk-len", "16", "--accum", "1", "--eval-every", "0", "--eval-tokens", "128",
+              "--ckpt-every", "100", "--sample-tokens", "0", "--no-progress", "--threads", "1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+    def run(*argv):
+        r = subprocess.run([*torchrun, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    def rows(out):
+        with open(out / "metrics.csv", newline="") as f:
+            return [{k: r[k] for k in SAME} for r in csv.DictReader(f)]
+
+    run("-m", "fractus.train", *common, "--out", str(tmp_path / "full"))
+    out = tmp_path / "run"
+    assert "stopped at step 3 of 6" in run(str(tmp_path / "stop.py"), *common, "--out", str(out))
+    ck = load_checkpoint(out / "ckpt.pt")
+    assert ck["step"] == 3 and len(ck["states"]) == 2
+    s0, s1 = ck["states"]
+    assert not torch.equal(s0[0][0], s1[0][0]), "each process carries the state of its own streams"
+    run("-m", "fractus.train", *common, "--out", str(out), "--resume")
+    assert rows(out) == rows(tmp_path / "full")
+    a, b = load_checkpoint(out / "ckpt.pt"), load_checkpoint(tmp_path / "full" / "ckpt.pt")
+    for k, v in b["model"].items():
+        assert torch.equal(a["model"][k], v), k

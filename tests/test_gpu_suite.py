@@ -9,7 +9,7 @@ from fractus.bench.gpu import KERNELS, run_suite
 def test_gpu_suite_dry_run(tmp_path):
     tables = run_suite(tmp_path, dry_run=True)
     assert tables["failures"].empty, tables["failures"].to_dict("records")
-    for name in ["ceilings", "precompile", "train_throughput", "generation", "levers", "profile"] + [
+    for name in ["ceilings", "precompile", "trainer_resume", "train_throughput", "generation", "levers", "profile"] + [
             f"{s}_{k}" for k in (*KERNELS, "kuramoto") for s in ("correctness", "timing")]:
         df = pd.read_csv(tmp_path / f"{name}.csv")
         assert len(df) and {"git_sha", "device", "torch", "triton", "date"} <= set(df.columns), name
@@ -22,6 +22,8 @@ def test_gpu_suite_dry_run(tmp_path):
     assert set(clock["kernel"]) == {"kuramoto_phase[triton]", "kuramoto_phase[torch]"}
     pre = pd.read_csv(tmp_path / "precompile.csv")  # two workers compiled the clock's kernels for sm_90
     assert len(pre) == 2 and pre["compiled"].sum() == 3 and (pre["failed"] == 0).all()
+    resumed = pd.read_csv(tmp_path / "trainer_resume.csv").iloc[0]  # on CPU: exactly the same run
+    assert resumed["passed"] and resumed["max_rel_diff"] == 0 and resumed["rows"] == 7, resumed.to_dict()
     train = pd.read_csv(tmp_path / "train_throughput.csv")
     assert (train["tok_s"] > 0).all() and (train["mfu"] > 0).all()
     # the baselines: every implementation's output compared with the same truth; Liger runs in the
@@ -39,6 +41,7 @@ def test_gpu_suite_dry_run(tmp_path):
         assert len(t) and (t[["time_s", "tflops", "gbps"]] > 0).all().all(), k
     targets = pd.read_csv(tmp_path / "targets.csv").set_index("target")  # one table of the issues' targets
     assert targets.loc["every kernel correct (fp32 and bf16 vs the fp32 truth)", "met"]
+    assert targets.loc["the trainer on the device: stopped + --resume equals one run", "met"]
     assert targets.loc["moe: >=5x vs per-expert loop", "met"].notna().all()  # measured (tiny sizes: any verdict)
     assert pd.notna(targets.loc["linear_attention: decode >= 10x the PyTorch path", "met"])
     assert targets.loc[["train 1b in bf16: >= 150,000 tok/s", "train 1b in bf16: >= 20% MFU"], "met"].isna().all()

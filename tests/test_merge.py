@@ -1,11 +1,16 @@
-"""Merge: parameter mean of checkpoints; compiled keys accepted; mismatches refused clearly."""
+"""Merge: parameter mean of checkpoints; compiled keys accepted; mismatches (configs, buffers,
+starting weights) refused clearly."""
 import pytest
 import torch
 
-from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, weights_fingerprint
 from fractus.merge import main, merge
 from fractus.model import FractusConfig, FractusCTE
+from fractus.train import train
+from test_train import cli, make_corpus
 from util import assert_rel
+
+ANCESTOR = "0" * 32  # the fingerprint checkpoints saved by hand claim to share
 
 
 def shard(base: FractusCTE, seed: int) -> FractusCTE:
@@ -25,7 +30,8 @@ def train_ckpt(path, model: FractusCTE, compiled: bool = False) -> None:
     opt = torch.optim.AdamW(model.parameters())
     save_checkpoint(path, {"config": model.cfg.to_dict(),
                            "model": {prefix + k: v for k, v in model.state_dict().items()},
-                           "optimizer": opt.state_dict(), "step": 7, "state": model.init_state(2)})
+                           "optimizer": opt.state_dict(), "step": 7, "states": [model.init_state(2)],
+                           "ancestor": ANCESTOR})
 
 
 def test_merge_is_the_parameter_mean(tmp_path, capsys):
@@ -37,7 +43,8 @@ def test_merge_is_the_parameter_mean(tmp_path, capsys):
     main([str(p) for p in paths] + ["-o", str(tmp_path / "m.pt")])
     assert "relative distance to the mean" in capsys.readouterr().out
     ck = load_checkpoint(tmp_path / "m.pt")
-    assert set(ck) == {"config", "model", "merged_from"}, "no optimizer or recurrent state"
+    assert set(ck) == {"config", "model", "ancestor", "merged_from"}, "no optimizer or recurrent state"
+    assert ck["ancestor"] == ANCESTOR
     merged = FractusCTE.load(tmp_path / "m.pt")
     for name, p in merged.named_parameters():
         mean = torch.stack([dict(m.named_parameters())[name] for m in shards]).mean(0)
@@ -50,8 +57,8 @@ def test_merge_ignores_run_settings(tmp_path):
     base = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
     other = FractusCTE(FractusConfig.preset("tiny", vocab_size=97, lb_coef=0.1, chunk_len=64))
     other.load_state_dict(base.state_dict())
-    base.save(tmp_path / "a.pt")
-    other.save(tmp_path / "b.pt")
+    base.save(tmp_path / "a.pt", ancestor=ANCESTOR)
+    other.save(tmp_path / "b.pt", ancestor=ANCESTOR)
     merged = merge([tmp_path / "a.pt", tmp_path / "b.pt"])
     for k, v in base.state_dict().items():
         assert_rel(merged["model"][k], v, 1e-7, k)
@@ -61,8 +68,9 @@ def test_merge_ignores_run_settings(tmp_path):
                                       (dict(n_layers=3), "different configs: n_layers 2 vs 3"),
                                       (dict(router="linear"), "router 'phase' vs 'linear'")])
 def test_merge_refuses_different_models(tmp_path, capsys, over, msg):
-    FractusCTE(FractusConfig.preset("tiny", vocab_size=97)).save(tmp_path / "a.pt")
-    FractusCTE(FractusConfig.preset("tiny", **{"vocab_size": 97, **over})).save(tmp_path / "b.pt")
+    FractusCTE(FractusConfig.preset("tiny", vocab_size=97)).save(tmp_path / "a.pt", ancestor=ANCESTOR)
+    FractusCTE(FractusConfig.preset("tiny", **{"vocab_size": 97, **over})).save(tmp_path / "b.pt",
+                                                                                 ancestor=ANCESTOR)
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "-o", str(tmp_path / "m.pt")])
     assert e.value.code == 2
@@ -75,8 +83,8 @@ def test_merge_refuses_different_phases_and_bad_files(tmp_path):
     b = shard(a, 1)
     with torch.no_grad():
         b.blocks[0].moe.phases.copy_(b.blocks[0].moe.phases.roll(1))
-    a.save(tmp_path / "a.pt")
-    b.save(tmp_path / "b.pt")
+    a.save(tmp_path / "a.pt", ancestor=ANCESTOR)
+    b.save(tmp_path / "b.pt", ancestor=ANCESTOR)
     with pytest.raises(CheckpointError, match="buffer blocks.0.moe.phases differs"):
         merge([tmp_path / "a.pt", tmp_path / "b.pt"])
     (tmp_path / "t.pt").write_bytes((tmp_path / "a.pt").read_bytes()[:500])
@@ -84,3 +92,23 @@ def test_merge_refuses_different_phases_and_bad_files(tmp_path):
         merge([tmp_path / "a.pt", tmp_path / "t.pt"])
     with pytest.raises(CheckpointError, match="at least two"):
         merge([tmp_path / "a.pt"])
+
+
+def test_merge_needs_one_ancestor(tmp_path, capsys):
+    """Trainer checkpoints: runs from one seed merge, runs from two seeds are refused (SPEC: the
+    original merged shards started from different seeds), and so is a checkpoint without a record."""
+    data = make_corpus(tmp_path)
+    runs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        runs[name] = tmp_path / name / "ckpt.pt"
+        train(cli(data, tmp_path / name, "--seed", str(seed), "--eval-every", "0", tokens=2 * 32))
+    ab = merge([runs["a"], runs["b"]])
+    torch.manual_seed(1)
+    assert ab["ancestor"] == weights_fingerprint(FractusCTE(FractusConfig.from_dict(ab["config"])).state_dict())
+    with pytest.raises(SystemExit) as e:
+        main([str(runs["a"]), str(runs["c"]), "-o", str(tmp_path / "m.pt")])
+    assert e.value.code == 2 and "started from different weights" in capsys.readouterr().err
+    assert not (tmp_path / "m.pt").exists()
+    FractusCTE.load(runs["a"]).save(tmp_path / "bare.pt")
+    with pytest.raises(CheckpointError, match="does not record the weights its run started from"):
+        merge([runs["a"], tmp_path / "bare.pt"])

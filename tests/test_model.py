@@ -130,6 +130,19 @@ def test_config_validation():
         FractusConfig(attn_decay=1.5)
     with pytest.raises(ValueError):
         FractusConfig(top_k=5, n_experts=4)
+    with pytest.raises(ValueError, match=r"unknown config keys \['n_layer'\]"):
+        FractusConfig.preset("tiny", n_layer=4)
+
+
+@pytest.mark.parametrize("router", ["phase", "linear"])
+def test_every_parameter_gets_a_gradient(router):
+    """No parameter is computed for nothing (DDP without find_unused_parameters needs it): the
+    linear router has no Kuramoto clock."""
+    model = FractusCTE(FractusConfig.preset("tiny", router=router))
+    x = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    model(x[:, :-1], targets=x[:, 1:])[1]["loss"].backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
+    assert all(b.clock is None for b in model.blocks) == (router == "linear")
 
 
 def test_generate_is_seeded_and_decodes_tick_by_tick():
@@ -137,6 +150,9 @@ def test_generate_is_seeded_and_decodes_tick_by_tick():
     kw = dict(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.3)
     a = model.generate([1, 2, 3], seed=7, **kw)
     assert a == model.generate([1, 2, 3], seed=7, **kw) and len(a) == 12
+    rng = torch.get_rng_state()
+    model.generate([1, 2, 3], 2)
+    assert torch.equal(torch.get_rng_state(), rng), "seed=None leaves the global generator alone"
     greedy = model.generate([1, 2, 3], 6, temperature=0)
     with torch.no_grad():
         ids = [1, 2, 3]

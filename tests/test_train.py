@@ -2,7 +2,6 @@
 non-finite losses, bad input, mismatched resumes; PGSU and growth through the CLI."""
 import csv
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -13,25 +12,21 @@ import numpy as np
 import pytest
 import torch
 
+import fractus.train as train_mod
 from fractus.checkpoint import load_checkpoint, save_checkpoint
-from fractus.data import TokenStreams, load_tokens, prepare
+from fractus.data import TokenStreams, load_tokens, prepare, write_toy_corpus
+from fractus.data import main as data_main
 from fractus.model import FractusConfig, FractusCTE
 from fractus.train import NonFiniteLoss, choose_active_blocks, main, micro_steps, train
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80  # optimizer steps of the reference run (2 streams × 16 tokens each)
-SAME = ("step", "tokens", "lr", "train_ce", "train_lb", "val_ce", "val_bpb", "val_ppl")
+SAME = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "val_ce", "val_bpb", "val_ppl")
 
 
 def make_corpus(root: Path) -> Path:
     """A small deterministic text, prepared with vocab 512 into root/data."""
-    rng = random.Random(0)
-    words = ("the a cat dog sat on mat ran far and then slept while birds sang over hills of green "
-             "grass under blue sky").split()
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + "."
-             for _ in range(600)]
-    (root / "corpus.txt").write_text("\n".join(lines) + "\n")
-    prepare(str(root / "corpus.txt"), root / "data", vocab_size=512)
+    prepare(str(write_toy_corpus(root / "corpus.txt")), root / "data", vocab_size=512)
     return root / "data"
 
 
@@ -89,6 +84,15 @@ def test_kill9_then_resume_equals_uninterrupted(data, reference, tmp_path):
     step = load_checkpoint(out / "ckpt.pt")["step"]
     assert 5 <= step < STEPS and step % 5 == 0
     train(cli(data, out, "--resume"))
+    assert metrics(out) == reference
+
+
+def test_stop_after_then_resume_equals_uninterrupted(data, reference, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(cli(data, out, "--stop-after", "7"))
+    assert f"stopped at step 7 of {STEPS}" in capsys.readouterr().out
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 7 and len(metrics(out)) == 7
+    train(cli(data, out, "--resume", "--stop-after", str(STEPS)))  # past the end: runs to it
     assert metrics(out) == reference
 
 
@@ -184,7 +188,33 @@ def test_nan_step_is_skipped_with_a_message(data, tmp_path, monkeypatch, capsys)
     rows = metrics(out)
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6, 6]
     assert all(np.isfinite(float(r["train_ce"])) for r in rows)
-    assert load_checkpoint(out / "ckpt.pt")["data_position"] == 7, "the bad chunk is skipped"
+    ck = load_checkpoint(out / "ckpt.pt")
+    assert ck["data_position"] == 7, "the bad chunk is skipped"
+    assert ck["counters"] == {"nan_run": 0, "skipped": 1}, "a resumed run counts on from here"
+
+
+def test_non_finite_gradient_under_a_finite_loss_is_skipped(data, tmp_path, monkeypatch, capsys):
+    """An overflow in the backward: the step is skipped and the weights stay finite (clipping an
+    infinite norm would write NaN into every weight)."""
+    orig, calls = train_mod.micro_steps, []
+
+    def micro_steps(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            args[0].embed.weight.grad[0, 0] = float("inf")  # args[0]: the model (one process)
+        return out
+    monkeypatch.setattr(train_mod, "micro_steps", micro_steps)
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", tokens=6 * 32))
+    assert "step 2: non-finite gradient, step skipped (1/3 in a row)" in capsys.readouterr().out
+    rows = metrics(out)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6, 6]
+    norms = [float(r["grad_norm"]) for r in rows[:-1]]
+    assert all(np.isfinite(n) and n > 0 for n in norms), norms
+    ck = load_checkpoint(out / "ckpt.pt")
+    assert all(torch.isfinite(v).all() for v in ck["model"].values())
+    assert ck["counters"]["skipped"] == 1
 
 
 def test_every_micro_step_runs_its_backward_when_a_loss_is_nan():
@@ -208,14 +238,14 @@ def test_every_micro_step_runs_its_backward_when_a_loss_is_nan():
 def test_repeated_nan_stops_after_saving(data, tmp_path, monkeypatch, capsys):
     inject_nan(monkeypatch, lambda n: n >= 3)
     out = tmp_path / "run"
-    with pytest.raises(NonFiniteLoss, match="3 consecutive non-finite losses at step 2"):
+    with pytest.raises(NonFiniteLoss, match=r"3 consecutive non-finite steps \(the last: loss\) at step 2"):
         train(cli(data, out, "--eval-every", "0", "--max-nan", "3", tokens=20 * 32))
     ck = load_checkpoint(out / "ckpt.pt")
     assert ck["step"] == 2 and ck["data_position"] == 5
     assert all(torch.isfinite(v).all() for v in ck["model"].values())
     with pytest.raises(SystemExit) as e:
         main(cli(data, tmp_path / "run2", "--eval-every", "0", tokens=20 * 32))
-    assert e.value.code == 2 and "consecutive non-finite losses" in capsys.readouterr().err
+    assert e.value.code == 2 and "consecutive non-finite steps" in capsys.readouterr().err
 
 
 def test_bad_corpora(tmp_path, data, capsys):
@@ -233,6 +263,21 @@ def test_bad_corpora(tmp_path, data, capsys):
         with pytest.raises(SystemExit) as e:
             main(cli(tmp_path / d, tmp_path / f"run-{d}"))
         assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        data_main(["prepare", "--input", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "d")])
+    assert e.value.code == 2 and "error: the corpus is empty" in capsys.readouterr().err
+
+
+def test_bad_arguments(data, tmp_path, capsys):
+    cases = [(["--set", "n_layer=4"], "unknown config keys ['n_layer']"),
+             (["--batch-size", "0"], "argument --batch-size: must be ≥ 1, got 0"),
+             (["--chunk-len", "0"], "argument --chunk-len: must be ≥ 1, got 0"),
+             (["--accum", "-1"], "argument --accum: must be ≥ 1, got -1")]
+    for extra, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            main(cli(data, tmp_path / "run", *extra))
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_token_ids_and_vocab(tmp_path, data, capsys):
@@ -261,6 +306,8 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     train(cli(data, out, "--eval-every", "0", tokens=5 * 32))
     cases = [(["--resume", "--batch-size", "3"], "--resume with different settings"),
              (["--resume", "--set", "n_layers=3"], "--resume with different settings"),
+             (["--resume", "--lr", "1e-4"], "'lr': (None, 0.0001)"),  # the restored optimizer would ignore it
+             (["--resume", "--weight-decay", "0.5"], "'weight_decay': (0.01, 0.5)"),
              ([], "exists: pass --resume")]
     for extra, msg in cases:
         with pytest.raises(SystemExit) as e:

@@ -7,7 +7,8 @@ Counting rules (per token, forward; a multiply-add is 2 FLOPs):
   kernels run: per level, an intra-chunk part over ``attn_chunk`` positions (4·d·c) and the
   D×D state read and update (4·d·D); ``attn_chunk=1`` is the plain recurrence.
 - kuramoto: the encoder (2·d·N) and ``kuramoto_steps`` RK4 steps of 4 rate evaluations
-  (low-rank coupling 8·N·r, sin/cos counted as ``TRANSCENDENTAL`` FLOPs each).
+  (low-rank coupling 8·N·r, sin/cos counted as ``TRANSCENDENTAL`` FLOPs each); none with the
+  linear router, which has no clock.
 - moe: the gate, then ``top_k`` experts (low-rank: 4·d·r + 4·F·r, dense: 4·d·F) plus gelu.
 - head: the tied (or separate) head and its cross-entropy, 2·d·V + 5·V, on the supervised
   positions only (``head_positions="last"`` divides it by the chunk length).
@@ -55,6 +56,11 @@ def _head_share(cfg: FractusConfig, head_positions: str) -> float:
     return 1.0 if head_positions == "all" else 1.0 / cfg.chunk_len
 
 
+def _norms(cfg: FractusConfig) -> int:
+    """LayerNorms per block: attention's, the clock's (the phase router only) and the experts'."""
+    return 3 if cfg.router == "phase" else 2
+
+
 def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | None) -> dict:
     """{component: (matmul FLOPs, elementwise FLOPs)} of one token's forward."""
     d, D, Lv, L = cfg.d_model, cfg.d_head, cfg.n_levels, cfg.n_layers
@@ -65,8 +71,9 @@ def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | No
     attn_ew = Lv * 2 * d * (TRANSCENDENTAL + 2) + Lv * 3 * d + 2 * d  # features, divide, mix, residual
     rate_mm = 8 * N * r_c
     rate_ew = 2 * N * TRANSCENDENTAL + 8 * N
-    kur_mm = 2 * d * N + cfg.kuramoto_steps * 4 * rate_mm
-    kur_ew = cfg.kuramoto_steps * (4 * rate_ew + 12 * N) + 2 * N * TRANSCENDENTAL + TRANSCENDENTAL
+    clock = cfg.router == "phase"  # the linear router has no clock
+    kur_mm = clock * (2 * d * N + cfg.kuramoto_steps * 4 * rate_mm)
+    kur_ew = clock * (cfg.kuramoto_steps * (4 * rate_ew + 12 * N) + 2 * N * TRANSCENDENTAL + TRANSCENDENTAL)
     expert_mm = 4 * d * r + 4 * Fd * r if r > 0 else 4 * d * Fd
     gate_mm = 2 * d * E if cfg.router == "linear" else 0
     moe_mm = gate_mm + K * expert_mm
@@ -74,7 +81,7 @@ def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | No
     share = _head_share(cfg, head_positions)
     head_mm = share * 2 * d * cfg.vocab_size
     head_ew = share * cfg.vocab_size * (3 + TRANSCENDENTAL)
-    norms_ew = (3 * L + 1) * d * NORM_FLOPS
+    norms_ew = (_norms(cfg) * L + 1) * d * NORM_FLOPS
     return {"embedding": (0.0, 0.0), "attention": (L * attn_mm, L * attn_ew),
             "kuramoto": (L * kur_mm, L * kur_ew), "moe": (L * moe_mm, L * moe_ew),
             "head": (head_mm, head_ew), "norms": (0.0, norms_ew)}
@@ -105,10 +112,10 @@ def weight_counts(cfg: FractusConfig) -> dict[str, int]:
     expert += Fd + d
     return {"embedding": cfg.vocab_size * d,
             "attention": L * (4 * d * d + 4 * d + cfg.n_levels),
-            "kuramoto": L * (d * N + N + N + N * cfg.coupling_rank + cfg.coupling_rank),
+            "kuramoto": L * (d * N + N + N + N * cfg.coupling_rank + cfg.coupling_rank) * (cfg.router == "phase"),
             "moe": L * (E * expert + E + (d * E if cfg.router == "linear" else 1)),  # + gate bias
             "head": 0 if cfg.tie_head else cfg.vocab_size * d,
-            "norms": (3 * L + 1) * 2 * d}
+            "norms": (_norms(cfg) * L + 1) * 2 * d}
 
 
 def num_params(cfg: FractusConfig) -> int:
@@ -123,12 +130,12 @@ def _activation_elems(cfg: FractusConfig, head_positions: str, attn_chunk: int |
     c = _attn_chunk(cfg, attn_chunk)
     attn = 4 * d + 4 * d + Lv * 4 * d + Lv * 4 * d + 2 * d + 3 * d  # qkv, features, chunks, out, residual
     state = Lv * H * D * (D + 1) * 2 / c  # S read + written once per chunk
-    kur = 2 * d + N + cfg.kuramoto_steps * 4 * 10 * N + 2 * N
+    kur = (2 * d + N + cfg.kuramoto_steps * 4 * 10 * N + 2 * N) * (cfg.router == "phase")
     inner = (r if r > 0 else 0) * 2 + Fd * 3
     moe = cfg.n_experts * 3 + K * (2 * d + 2 * inner) + 2 * K * d + 3 * d
     share = _head_share(cfg, head_positions)
     head = share * (2 * d + (0 if fused_ce else 4 * cfg.vocab_size))
-    norms = (3 * L + 1) * 2 * d
+    norms = (_norms(cfg) * L + 1) * 2 * d
     return {"embedding": (d, 0.0), "attention": (L * attn, L * state), "kuramoto": (L * kur, 0.0),
             "moe": (L * moe, 0.0), "head": (head, 0.0), "norms": (norms, 0.0)}
 

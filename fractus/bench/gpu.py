@@ -3,7 +3,8 @@
 1. provenance and the device's ceilings (device-to-device copy GB/s, large bf16 matmul TFLOP/s);
    then every kernel compiled in parallel processes into Triton's cache (:func:`aot.precompile`);
 2. every Triton kernel compiled for real and checked against its reference in fp32 and bf16
-   (and the Kuramoto clock's kernels and fused path against plain autograd);
+   (and the Kuramoto clock's kernels and fused path against plain autograd); the trainer's CLI
+   on the device: a run stopped and resumed against an uninterrupted one;
 3. end-to-end bf16 training throughput, peak memory and MFU per preset over a batch sweep;
 4. each kernel timed against its baselines (fla / Liger side by side when installed, and
    torch.compile: these compile and autotune, so they come after the training target), then
@@ -19,11 +20,13 @@ on CPU at tiny sizes (kernels through Triton's interpreter); CI runs it.
 """
 from __future__ import annotations
 
+import csv
 import importlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -36,7 +39,9 @@ from fractus.bench import aot, levers, profile
 from fractus.bench.common import check_rows, median_time, provenance, write_csv
 from fractus.bench.costmodel import flops_per_token
 from fractus.bench.train import measure_training
+from fractus.data import prepare, write_toy_corpus
 from fractus.model import FractusConfig, FractusCTE
+from fractus.train import train
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
 H200_BF16_DENSE_TFLOPS = 989.4  # datasheet peak, dense bf16
@@ -135,6 +140,43 @@ def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dic
             for k, t in times.items()]
 
 
+RESUME_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "val_ce", "val_bpb")
+RESUME_RTOL = 1e-3  # CUDA's atomic adds (the PyTorch path's index_add_) reorder fp32 sums between runs
+
+
+def trainer_rows(device: torch.device, dry_run: bool) -> list[dict]:
+    """``python -m fractus.train`` on the device (tiny preset, a toy corpus, bf16 autocast on CUDA;
+    the PyTorch kernels' path, which compiles nothing: the Triton path's training is timed by
+    ``train_throughput``): 6 steps in one go, and 3 steps then ``--resume`` from the checkpoint saved
+    on the device; every metric of every step must agree within ``RESUME_RTOL``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        prepare(str(write_toy_corpus(tmp / "corpus.txt")), tmp / "data", vocab_size=512)
+        args = ["--preset", "tiny", "--data", str(tmp / "data"), "--tokens", str(6 * 4 * 32), "--batch-size", "4",
+                "--chunk-len", "32", "--accum", "1", "--eval-every", "2", "--eval-tokens", "256",
+                "--sample-tokens", "4", "--no-progress", "--backend", "torch", "--device", str(device)]
+        t0 = time.perf_counter()
+        train([*args, "--out", str(tmp / "full")])
+        train([*args, "--out", str(tmp / "run"), "--stop-after", "3"])
+        train([*args, "--out", str(tmp / "run"), "--resume"])
+        seconds = time.perf_counter() - t0
+        runs = []
+        for name in ("full", "run"):
+            with open(tmp / name / "metrics.csv", newline="") as f:
+                runs.append([{k: float(r[k]) if r[k] else None for k in RESUME_FIELDS} for r in csv.DictReader(f)])
+    full, resumed = runs
+    diff = 0.0 if len(full) == len(resumed) else float("inf")
+    for a, b in zip(full, resumed):
+        for k in RESUME_FIELDS:
+            if (a[k] is None) != (b[k] is None):
+                diff = float("inf")
+            elif a[k] is not None:
+                diff = max(diff, abs(a[k] - b[k]) / max(abs(a[k]), 1e-12))
+    return [{"check": "stopped after 3 of 6 steps and resumed vs one run", "rows": len(full),
+             "max_rel_diff": diff, "rtol": RESUME_RTOL, "passed": diff <= RESUME_RTOL,
+             "final_val_ce": full[-1]["val_ce"], "seconds": seconds}]
+
+
 def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
     rows = []
     for preset in (("tiny",) if dry_run else ("palier0", "palier2", "1b")):
@@ -199,6 +241,7 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
     for k in KERNELS:
         fns[f"correctness_{k}"] = lambda k=k: bench(k).correctness_rows(device, smoke=dry_run)
     fns["correctness_kuramoto"] = lambda: kuramoto_rows(device, dry_run, timing=False)
+    fns["trainer_resume"] = lambda: trainer_rows(device, dry_run)
     # the training target before the kernels' timings: those also compile and autotune the baselines
     fns["train_throughput"] = lambda: train_rows(device, dry_run, peak_tflops())
     for k in KERNELS:
@@ -343,6 +386,10 @@ def target_rows(tables: dict[str, pd.DataFrame]) -> list[dict]:
             rows.append({"target": f"{name.removeprefix('timing_')}: {r['target']}", "case": case,
                          "met": None if pd.isna(met) else bool(met),
                          "note": r["note"] if "note" in r and pd.notna(r["note"]) else ""})
+    t = tables.get("trainer_resume")
+    rows.append({"target": "the trainer on the device: stopped + --resume equals one run",
+                 "met": None if t is None else bool(t["passed"].all()),
+                 "note": "" if t is None else f"max rel. diff {t['max_rel_diff'].max():.1e}"})
     preset, tok_s, mfu = TRAIN_TARGET
     t = tables.get("train_throughput")
     runs = t[(t["preset"] == preset) & t["tok_s"].notna()] if t is not None and "tok_s" in t else pd.DataFrame()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from fractus.bench.levers import Recipe, short_train, shakespeare
+from fractus.checkpoint import weights_fingerprint
 from fractus.data import load_meta, load_tokens
 from fractus.model import FractusCTE
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
@@ -106,15 +107,15 @@ def mean_merge(states: list[dict]) -> dict:
     return out
 
 
-def merge_checkpoints(models: list[FractusCTE]) -> FractusCTE:
-    """Mean of the models through :func:`fractus.merge.merge` (checkpoints written to a
-    temporary folder), loaded back as a model."""
+def merge_checkpoints(models: list[FractusCTE], ancestor: str) -> FractusCTE:
+    """Mean of the models, all started from the weights with fingerprint ``ancestor``, through
+    :func:`fractus.merge.merge` (checkpoints written to a temporary folder), loaded back as a model."""
     from fractus.merge import merge
     with tempfile.TemporaryDirectory() as tmp:
         paths = []
         for i, m in enumerate(models):
             paths.append(Path(tmp) / f"part{i}.pt")
-            m.save(paths[-1])
+            m.save(paths[-1], ancestor=ancestor)
         merge(paths, Path(tmp) / "merged.pt")
         return FractusCTE.load(Path(tmp) / "merged.pt")
 
@@ -145,7 +146,7 @@ def merge_probe(recipe: Recipe, tokens_per_half: int, eval_tokens: int, seed: in
         m.load_state_dict(init.state_dict())
         short_train(recipe, tokens_per_half, eval_tokens, seed=seed, train_slice=sl, model=m)
         runs[name] = m
-    merged = merge_checkpoints(list(runs.values()))
+    merged = merge_checkpoints(list(runs.values()), weights_fingerprint(init.state_dict()))
     msd = merged.state_dict()
     ref = mean_merge([m.state_dict() for m in runs.values()])
     gap = max(float((msd[k].double() - v.double()).abs().max()) for k, v in ref.items() if v.is_floating_point())
