@@ -191,6 +191,23 @@ def test_forward_components_cover_the_profiled_forward():
     assert ph["total"] == pytest.approx(ph["forward"] + ph["backward"] + ph["optimizer"])
 
 
+def test_attribute_counts_cuda_backward_on_autograd_thread():
+    """On CUDA the backward's kernels run on autograd's device thread, outside the backward range."""
+    from types import SimpleNamespace as Ev
+
+    def ev(name, thread, dev_self, dev_total=None, parent=None):
+        return Ev(name=name, thread=thread, cpu_parent=parent, self_device_time_total=dev_self * 1e3,
+                  device_time_total=(dev_total if dev_total is not None else dev_self) * 1e3,
+                  self_cpu_time_total=0.0, cpu_time_total=0.0)
+    fwd = ev(P._MARK + "forward", 1, 0.0, 5.0)
+    events = [fwd, ev("attention", 1, 5.0, parent=fwd), ev(P._MARK + "backward", 1, 0.0, 0.5),
+              ev("autograd::engine::evaluate_function: MmBackward0", 2, 7.0),
+              ev(P._MARK + "optimizer", 1, 0.0, 1.0)]
+    out = P.attribute(events, device_time=True)
+    assert out["forward"] == 5.0 and out["attention"] == 5.0
+    assert out["backward"] == 7.5 and out["optimizer"] == 1.0
+
+
 def test_keep_freed_memory_applies_on_linux_glibc():
     import platform
 
@@ -282,8 +299,8 @@ def test_provenance_reads_the_gpu_name_once(monkeypatch):
     from fractus.bench import common
     names = iter(["NVIDIA H200"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: next(names))  # a second call raises
-    common._cuda_name.cache_clear()
+    common.cuda_name.cache_clear()
     try:
         assert common.provenance("cuda")["device"] == common.provenance("cuda")["device"] == "NVIDIA H200"
     finally:
-        common._cuda_name.cache_clear()
+        common.cuda_name.cache_clear()

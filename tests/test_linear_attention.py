@@ -6,7 +6,7 @@ import torch
 
 from fractus.kernels import linear_attention as la
 from fractus.kernels.linear_attention import linear_attention, linear_attention_reference
-from tests.util import assert_lowp, assert_rel
+from tests.util import Launches, assert_lowp, assert_rel
 
 PHI = (1 + 5 ** 0.5) / 2
 OMEGAS = [PHI ** (-2 * l) for l in range(2)]
@@ -46,7 +46,7 @@ def run(inputs, dtype, grad=True, state_loss=True, **kw):
         leaves += [x.detach().to(sdt).requires_grad_(grad) for x in st]
     state = tuple(leaves[4:]) if st is not None else None
     g = None if g is None else g.to(sdt)
-    omegas = [PHI ** (-2 * l) for l in range(w.numel())]
+    omegas = [PHI ** (-2 * lv) for lv in range(w.numel())]
     o, (S, z) = linear_attention(*leaves[:4], omegas, decay=g, state=state, **kw)
     outs = [o, S, z]
     if grad:
@@ -105,21 +105,10 @@ def test_triton_vs_reference(T, D, decay, state):
     compare(got, truth, 1e-4, T, state)
 
 
-class _Launches:
-    """A Triton kernel that counts its launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.count = kernel, 0
-
-    def __getitem__(self, grid):
-        self.count += 1
-        return self.kernel[grid]
-
-
 @pytest.fixture
 def decode_launches(monkeypatch):
     """Counts the decode kernel's launches."""
-    counter = _Launches(la._la_decode_kernel)
+    counter = Launches(la._la_decode_kernel)
     monkeypatch.setattr(la, "_la_decode_kernel", counter)
     return counter
 
@@ -135,6 +124,24 @@ def test_triton_decode_kernel(decode_launches, T, D, decay, state):
     assert decode_launches.count == 1
     for name, x, ref in zip(NAMES, got, truth):
         assert_rel(x.double(), ref, 1e-5, name)
+
+
+def test_no_grad_forward_writes_nothing_for_backward(monkeypatch):
+    """Leaves that require grad under no_grad (evaluation, generation's prefill): the chunked
+    forward does not write the per-level outputs a backward would read."""
+    out = Launches(la._la_out_kernel)
+    monkeypatch.setattr(la, "_la_out_kernel", out)
+    q, k, v, w, g, (S0, z0) = (x.float() if torch.is_tensor(x) else x for x in make(2, 40, 2, 32, True, True))
+    omegas = [PHI ** (-2 * lv) for lv in range(w.numel())]
+    args = [t.requires_grad_() for t in (q, k, v, w)]
+    truth = linear_attention(*args, omegas, decay=g, state=(S0, z0), backend="reference")
+    with torch.no_grad():
+        o, (S, z) = linear_attention(*args, omegas, decay=g, state=(S0, z0), backend="triton")
+    assert o.grad_fn is None
+    for name, x, ref in zip(NAMES, (o, S, z), (truth[0], *truth[1])):
+        assert_rel(x, ref, 1e-5, name)
+    linear_attention(*args, omegas, decay=g, state=(S0, z0), backend="triton")
+    assert [kw["STORE_Y"] for kw in out.kwargs] == [False, True]
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])

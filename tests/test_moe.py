@@ -2,8 +2,9 @@
 import pytest
 import torch
 
+from fractus.kernels import moe as moe_mod
 from fractus.kernels.moe import _Route, moe, moe_reference
-from tests.util import assert_lowp, assert_rel
+from tests.util import Launches, assert_lowp, assert_rel
 
 D, FF = 48, 80  # not multiples of the blocks
 
@@ -113,11 +114,16 @@ def test_triton_dense_matches_reference(N, E, K, route):
     check("triton", N, E, K, lowrank=False, route=route)
 
 
-def test_triton_forward_without_grad():
+def test_triton_forward_without_grad(monkeypatch):
+    """Leaves that require grad under no_grad: right output, and no activations saved."""
+    fwd = Launches(moe_mod._lr_fwd_kernel)
+    monkeypatch.setattr(moe_mod, "_lr_fwd_kernel", fwd)
     ex = make_experts(7)
     x, idx, w = make_inputs(13, 7, 2)
     with torch.no_grad():
         assert_rel(moe(x, idx, w, ex, backend="triton"), moe_reference(x, idx, w, ex), 1e-5, "no-grad y")
+    moe(x, idx, w, ex, backend="triton")
+    assert [k["SAVE"] for k in fwd.kwargs] == [False, True]
 
 
 @pytest.mark.parametrize("masters", [False, True])

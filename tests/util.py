@@ -1,5 +1,25 @@
-"""Error measures shared by the tests."""
+"""Error measures and a kernel-launch recorder shared by the tests."""
 import torch
+
+
+class Launches:
+    """Stands in for a Triton kernel: records each launch's keyword arguments (the constexprs),
+    then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.kwargs = kernel, []
+
+    @property
+    def count(self) -> int:
+        return len(self.kwargs)
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def record(*args, **kwargs):
+            self.kwargs.append(kwargs)
+            return launch(*args, **kwargs)
+        return record
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -61,8 +61,8 @@ def cpu_name() -> str:
 
 
 @functools.lru_cache
-def _cuda_name(index: int | None) -> str:
-    """Read once: rows written after a kernel lost CUDA's context still get it."""
+def cuda_name(index: int | None) -> str:
+    """The GPU's name, read once: rows written after a kernel lost CUDA's context still get it."""
     return torch.cuda.get_device_name(index)
 
 
@@ -75,7 +75,7 @@ def provenance(device: torch.device | str = "cpu") -> dict:
     except ImportError:
         triton_v = "absent"
     if device.type == "cuda":
-        dev = _cuda_name(device.index)
+        dev = cuda_name(device.index)
     else:
         dev = f"cpu: {cpu_name()} ({torch.get_num_threads()} threads)"
     return {

@@ -44,6 +44,7 @@ OPT_FLOPS = {"adamw": 12, "sgd": 4, "rmsprop": 6}
 
 # NVIDIA H200 SXM datasheet peaks (dense): plotted as labelled "datasheet" lines only.
 H200_DATASHEET = {"hbm_gbs": 4800.0, "bf16_tflops": 989.0, "tf32_tflops": 494.0, "fp32_tflops": 67.0}
+H200_NVL_BF16_TFLOPS = 835.5  # the H200 NVL card (also 141 GB): 1,671 TFLOP/s bf16 with sparsity
 
 
 def _attn_chunk(cfg: FractusConfig, attn_chunk: int | None) -> int:

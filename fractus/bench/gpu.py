@@ -36,15 +36,14 @@ import pandas as pd
 import torch
 
 from fractus.bench import aot, levers, profile
-from fractus.bench.common import check_rows, median_time, provenance, write_csv
-from fractus.bench.costmodel import flops_per_token
+from fractus.bench.common import check_rows, cuda_name, median_time, provenance, write_csv
+from fractus.bench.costmodel import H200_DATASHEET, H200_NVL_BF16_TFLOPS, flops_per_token
 from fractus.bench.train import measure_training
 from fractus.data import prepare, write_toy_corpus
 from fractus.model import FractusConfig, FractusCTE
 from fractus.train import train
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
-H200_BF16_DENSE_TFLOPS = 989.4  # datasheet peak, dense bf16
 TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
 # (preset, batch sizes, chunk_len) swept for end-to-end training on the GPU
 TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
@@ -81,7 +80,7 @@ def precompile_rows(dry_run: bool) -> list[dict]:
 def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[dict]:
     rows = []
     for preset, batches, chunk in (DRY_SWEEP if dry_run else TRAIN_SWEEP):
-        cfg = FractusConfig.preset(preset)
+        cfg = FractusConfig.preset(preset, chunk_len=chunk)  # the attention's FLOPs depend on the chunk
         flops = sum(flops_per_token(cfg, training=True).values())
         for b in batches:
             kw = dict(batch_size=b, chunk_len=chunk, accum=1, optimizer="sgd", steps=3, warmup=2,
@@ -94,6 +93,7 @@ def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[
                 r = measure_training(preset, **kw)
                 r["peak_mem_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
                 r["train_flops_per_token"] = flops
+                r["peak_tflops"] = peak_tflops
                 r["mfu"] = r["tok_s"] * flops / (peak_tflops * 1e12)
                 rows.append(r)
             except torch.cuda.OutOfMemoryError:
@@ -113,9 +113,10 @@ def kuramoto_case(device: torch.device, small: bool):
 
 
 def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dict]:
-    """The clock's Triton kernels and its fused PyTorch path (hand-written RK4 backward) vs plain
-    autograd on the device, fp32: ψ and every gradient (``timing``: forward+backward times of all
-    three instead)."""
+    """The clock's Triton kernels and its fused PyTorch path (hand-written RK4 backward) in fp32 vs
+    plain autograd in fp64 on the device, ψ and every gradient: error ≤ fp32 autograd's + 1e-4
+    (atan2's gradient is ill-conditioned where the phases cancel; ``timing``: forward+backward
+    times of all three in fp32 instead)."""
     from fractus.kernels.kuramoto import kuramoto_phase, kuramoto_phase_reference
     args, dy = kuramoto_case(device, small=dry_run)
     dt, steps, damping = 0.1, 2, 0.1
@@ -126,10 +127,13 @@ def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dic
         psi = fn(*args, dt, steps, damping)
         return (psi, *torch.autograd.grad(psi, args, dy))
     if not timing:
-        truth = run(fns["reference"])
+        same = run(fns["reference"])
+        args64 = [a.detach().double().requires_grad_() for a in args]
+        psi64 = kuramoto_phase_reference(*args64, dt, steps, damping)
+        truth = (psi64, *torch.autograd.grad(psi64, args64, dy.double()))
         return [r for name in ("triton", "torch") for r in check_rows(
             f"kuramoto_phase[{name}]", torch.float32, ("psi", "dtheta", "domega", "dU", "dlambda"),
-            run(fns[name]), truth, truth_name="plain autograd")]
+            run(fns[name]), truth, same, margin=1e-4, truth_name="fp64 autograd")]
     times = {k: median_time(lambda fn=fn: run(fn), device=device) for k, fn in fns.items()}
     M, N = args[0].shape
     flops = 3 * steps * 4 * (4 * N * N + 8 * N) * M  # RK4 stages: two N×N coupling products each; bwd 2×
@@ -185,7 +189,7 @@ def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
             model = FractusCTE(cfg).eval()
         n_new = 4 if dry_run else 64
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not dry_run):
-            model.generate([1, 2, 3], 2, temperature=0)  # compile / warm up
+            model.generate(list(range(1, 17)), 2, temperature=0)  # compile / warm up: the timed prompt's shapes
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -229,8 +233,10 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
         return [ceil]
 
     def peak_tflops() -> float:
+        """Dense bf16 datasheet peak of the H200 (SXM, or NVL by its name); on a CPU dry run the
+        measured matmul rate."""
         if not dry_run:
-            return H200_BF16_DENSE_TFLOPS
+            return H200_NVL_BF16_TFLOPS if "NVL" in cuda_name(device.index) else H200_DATASHEET["bf16_tflops"]
         if not ceil and (out / "ceilings.csv").exists():  # measured by an earlier process of this run
             ceil.update(pd.read_csv(out / "ceilings.csv").iloc[0].to_dict())
         return max(ceil.get("matmul_tflops", 1e-3), 1e-3)

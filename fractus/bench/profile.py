@@ -124,11 +124,16 @@ def attribute(events, device_time: bool = False) -> dict[str, float]:
             e = e.cpu_parent
         return False
 
+    marking = {e.thread for e in events if e.name.startswith(_MARK)}
     for e in events:
         if e.name.startswith(_MARK):
             ranges[e.name[len(_MARK):]] += total_t(e)
         if inside_forward(e):
             out[_component(e)] += self_t(e)
+        elif device_time and e.thread not in marking:
+            # CUDA tensors' backward runs on autograd's device thread, so its kernels are not
+            # children of the backward range (the profiler nests events per thread)
+            ranges["backward"] += self_t(e)
     return {**out, **ranges}
 
 

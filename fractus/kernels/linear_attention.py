@@ -511,14 +511,13 @@ def _states(k, v, om, g, S0, z0, store_final, BT):
 
 
 class _TritonLinearAttention(torch.autograd.Function):
-    """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay g [H], eps)
-    -> (o [B, T, H, D], S [B, Lv, H, D, D], z [B, Lv, H, D])."""
+    """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay g [H], eps,
+    need: a backward will follow) -> (o [B, T, H, D], S [B, Lv, H, D, D], z [B, Lv, H, D])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, S0, z0, om, g, eps):
+    def forward(ctx, q, k, v, w, S0, z0, om, g, eps, need):
         B, T, H, D = q.shape
         Lv = om.numel()
-        need = any(ctx.needs_input_grad[:6])
         BT, BD = _chunk_len(T, _FWD_CHUNK), _block_d(D)
         hs, zs, sf, zf = _states(k, v, om, g, S0, z0, True, BT)
         NC = triton.cdiv(T, BT)
@@ -568,7 +567,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         dw = dwp.sum((0, 1)).to(w.dtype)
         if not dinit:
             ds0 = dz0 = None
-        return dq, dk, dv, dw, ds0, dz0, None, None, None
+        return dq, dk, dv, dw, ds0, dz0, None, None, None, None
 
 
 def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps):
@@ -596,7 +595,9 @@ def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps):
             z0 if z0 is not None else zf, o, sf, zf, T, H, D, eps, LV=Lv,
             HAS_INIT=S0 is not None, TB=triton.next_power_of_2(T), BD=BD, num_warps=4)
         return o, (sf, zf)
-    o, sf, zf = _TritonLinearAttention.apply(q, k, v, w, S0, z0, om, g, float(eps))
+    # forward runs under no_grad, and needs_input_grad ignores the caller's mode: `grads` decides
+    # whether the backward's tensors are written (not under no_grad, e.g. evaluation)
+    o, sf, zf = _TritonLinearAttention.apply(q, k, v, w, S0, z0, om, g, float(eps), grads)
     return o, (sf, zf)
 
 

@@ -470,7 +470,7 @@ class _LowRankMoE(torch.autograd.Function):
     """Fused low-rank MoE on routing tiles; backward recomputes the hidden activation."""
 
     @staticmethod
-    def forward(ctx, x, w, idx, V1, U1, b1, s1, V2, U2, b2, s2):
+    def forward(ctx, x, w, idx, V1, U1, b1, s1, V2, U2, b2, s2, save):
         N, d = x.shape
         K = idx.shape[1]
         E, F, r = U1.shape
@@ -479,7 +479,6 @@ class _LowRankMoE(torch.autograd.Function):
         g = w.reshape(-1)[rt.order].float()
         dev = x.device
         ys = _backend.empty(N * K, d, dtype=x.dtype, device=dev)
-        save = any(ctx.needs_input_grad)
         a1 = _backend.empty(N * K, r, dtype=torch.float32, device=dev) if save else ys
         a2 = _backend.empty(N * K, r, dtype=torch.float32, device=dev) if save else ys
         _lr_fwd_kernel[(rt.T,)](x, rt.stok, rt.order, g, rt.tile_e, rt.tile_lo, rt.tile_hi,
@@ -518,7 +517,7 @@ class _LowRankMoE(torch.autograd.Function):
         ds2 = torch.zeros(E, **f32).index_add_(0, rt.sexp, ds2r)
         grads = [g_.to(p.dtype) for g_, p in zip((dV1, dU1, db1, ds1, dV2, dU2, db2, ds2),
                                                   (V1, U1, b1, s1, V2, U2, b2, s2))]
-        return (_sum_slots(dxs, N, K, x.dtype), dw, None, *grads)
+        return (_sum_slots(dxs, N, K, x.dtype), dw, None, *grads, None)
 
 
 class _DenseExperts(torch.autograd.Function):
@@ -580,7 +579,9 @@ def moe_triton(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
     x, idx = x.contiguous(), idx.contiguous()
     if _is_lowrank(experts):
         ex = [experts[k].contiguous() for k in LOWRANK_KEYS]
-        return _LowRankMoE.apply(x, w, idx, *ex)
+        # `save`: the caller's grad mode (forward runs under no_grad; needs_input_grad ignores it)
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, *ex))
+        return _LowRankMoE.apply(x, w, idx, *ex, save)
     ex = [experts[k].contiguous() for k in DENSE_KEYS]
     fs = _DenseExperts.apply(x, idx, *ex)
     return (fs.float() * w.float().unsqueeze(-1)).sum(1).to(x.dtype)
