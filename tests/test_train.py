@@ -16,6 +16,7 @@ import fractus.train as train_mod
 from fractus.checkpoint import load_checkpoint, save_checkpoint
 from fractus.data import TokenStreams, load_tokens, prepare, write_toy_corpus
 from fractus.data import main as data_main
+from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
 from fractus.train import NonFiniteLoss, choose_active_blocks, main, micro_steps, train
 
@@ -355,3 +356,24 @@ def test_grow_from_cli_keeps_the_loss(data, tmp_path, capsys):
         main(cli(data, tmp_path / "dst2", "--grow-from", str(src / "ckpt.pt"), "--set", "d_model=16",
                  "n_heads=1", tokens=32))
     assert e.value.code == 2 and "d_model 32 → 16 would shrink" in capsys.readouterr().err
+
+
+def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", tokens=4 * 32))
+    final = metrics(out)[-1]
+    table = tmp_path / "eval.csv"
+    for _ in range(2):
+        evaluate_main([str(out / "ckpt.pt"), "--data", str(data), "--streams", "2", "--chunk-len", "16",
+                       "--csv", str(table)])
+    assert "nats/token" in capsys.readouterr().out
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(r["git_sha"] and r["date"] and r["split"] == "val" for r in rows)
+    assert float(rows[0]["ce"]) == pytest.approx(float(final["val_ce"]), rel=1e-6)
+    assert float(rows[0]["bpb"]) == pytest.approx(float(final["val_bpb"]), rel=1e-6)
+    other = tmp_path / "other"
+    prepare(str(write_toy_corpus(tmp_path / "c.txt")), other, vocab_size=300)
+    with pytest.raises(SystemExit) as e:
+        evaluate_main([str(out / "ckpt.pt"), "--data", str(other)])
+    assert e.value.code == 2 and "vocab_size 512, the data" in capsys.readouterr().err

@@ -224,7 +224,22 @@ def write_csv(path: str | Path, rows: Iterable[dict], device: torch.device | str
     if not rows:
         raise ValueError(f"no rows to write to {path}")
     prov = provenance(device)
-    rows = [{**r, **prov} for r in rows]
+    return _write_rows(path, [{**r, **prov} for r in rows])
+
+
+def append_csv(path: str | Path, row: dict, device: torch.device | str = "cpu") -> Path:
+    """Add ``row`` with its provenance to the CSV at ``path`` (created if absent), keeping the
+    rows already there as they are."""
+    path = Path(path)
+    old = []
+    if path.exists():
+        with open(path, newline="") as f:
+            old = list(csv.DictReader(f))
+    return _write_rows(path, [*old, {**row, **provenance(device)}])
+
+
+def _write_rows(path: str | Path, rows: list[dict]) -> Path:
+    """``rows`` to ``path`` atomically, columns in order of first appearance."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

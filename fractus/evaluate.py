@@ -1,0 +1,64 @@
+"""Evaluate a checkpoint: ``python -m fractus.evaluate CKPT --data DIR [--split val] [--streams 8]``.
+
+Cross-entropy in nats/token, bits per byte and perplexity of the checkpoint's model on a split
+prepared by :mod:`fractus.data`, read as ``--streams`` contiguous streams of ``--chunk-len``-token
+chunks, each starting from an empty attention state that is then carried (the trainer's own
+validation, :func:`fractus.train.evaluate`). ``--csv FILE`` appends the result as a row with its
+provenance (machine, versions, git sha, date).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from fractus.bench.common import append_csv
+from fractus.checkpoint import CheckpointError
+from fractus.data import load_meta, load_tokens
+from fractus.model import FractusCTE
+from fractus.tokenizer import get_tokenizer, token_byte_lengths
+from fractus.train import evaluate, positive_int
+
+
+def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "val", streams: int = 8,
+                        chunk_len: int = 32, max_tokens: int | None = None, device: str = "cpu") -> dict:
+    """{val_ce, val_bpb, val_ppl, val_tokens} of the checkpoint's model on ``split`` of ``data``."""
+    meta = load_meta(data)
+    model = FractusCTE.load(ckpt, map_location=device)
+    if model.cfg.vocab_size != meta["vocab_size"]:
+        raise CheckpointError(f"{ckpt} has vocab_size {model.cfg.vocab_size}, the data {data} "
+                              f"{meta['vocab_size']}")
+    tokens = load_tokens(data, split, meta)
+    token_bytes = token_byte_lengths(get_tokenizer(meta["vocab_size"]))
+    return evaluate(model, tokens, streams, chunk_len, max_tokens, token_bytes, torch.device(device))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fractus.evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt")
+    ap.add_argument("--data", required=True, help="directory written by `python -m fractus.data prepare`")
+    ap.add_argument("--split", default="val", choices=("val", "train"))
+    ap.add_argument("--streams", type=positive_int, default=8, help="contiguous streams read side by side")
+    ap.add_argument("--chunk-len", type=positive_int, default=32)
+    ap.add_argument("--tokens", type=positive_int, default=None, help="at most this many targets (default: all)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--csv", help="append the result as a row of this CSV")
+    a = ap.parse_args(argv)
+    try:
+        r = evaluate_checkpoint(a.ckpt, a.data, a.split, a.streams, a.chunk_len, a.tokens, a.device)
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"{a.ckpt} on {a.split} ({r['val_tokens']:,} tokens, {a.streams} streams): CE {r['val_ce']:.4f} "
+          f"nats/token, {r['val_bpb']:.4f} bits/byte, perplexity {r['val_ppl']:.1f}")
+    if a.csv:
+        append_csv(a.csv, {"checkpoint": a.ckpt, "data": a.data, "split": a.split, "streams": a.streams,
+                           "chunk_len": a.chunk_len, "tokens": r["val_tokens"], "ce": r["val_ce"],
+                           "bpb": r["val_bpb"], "ppl": r["val_ppl"]}, a.device)
+
+
+if __name__ == "__main__":
+    main()
