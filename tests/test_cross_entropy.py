@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from fractus.kernels import backend
 from fractus.kernels import cross_entropy as ce_mod
 from fractus.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from tests.util import assert_lowp, assert_rel
+from util import assert_lowp, assert_rel
 
 TOL = 1e-4
 

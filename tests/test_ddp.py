@@ -88,3 +88,31 @@ def test_ddp_stop_and_resume_equals_uninterrupted(tmp_path):
     a, b = load_checkpoint(out / "ckpt.pt"), load_checkpoint(tmp_path / "full" / "ckpt.pt")
     for k, v in b["model"].items():
         assert torch.equal(a["model"][k], v), k
+
+
+NAN_ON_RANK_1 = """
+import os, sys
+import fractus.train as T
+orig, calls = T.micro_steps, []
+def micro_steps(*args, **kwargs):  # rank 1 alone sees a non-finite loss, at its 2nd step
+    ce, lb, state, finite = orig(*args, **kwargs)
+    calls.append(1)
+    return ce, lb, state, finite and not (os.environ["RANK"] == "1" and len(calls) == 2)
+T.micro_steps = micro_steps
+T.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch build has no gloo backend")
+def test_ddp_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    data = make_corpus(tmp_path)
+    (tmp_path / "nan.py").write_text(NAN_ON_RANK_1)
+    argv = ["--preset", "tiny", "--data", str(data), "--tokens", str(4 * 2 * 2 * 16), "--batch-size", "2",
+            "--chunk-len", "16", "--accum", "1", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
+            "--threads", "1", "--out", str(tmp_path / "run")]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(tmp_path / "nan.py"), *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (r.stdout + r.stderr).count("non-finite loss, step skipped (1/3 in a row)") == 2  # both ranks skip it
+    ck = load_checkpoint(tmp_path / "run" / "ckpt.pt")
+    assert ck["step"] == 4 and ck["counters"]["skipped"] == 1 and ck["data_position"] == 5

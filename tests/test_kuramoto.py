@@ -5,7 +5,7 @@ import torch
 
 from fractus.kernels.kuramoto import kuramoto_phase, kuramoto_phase_reference
 from fractus.model import FractusConfig, FractusCTE
-from tests.util import assert_rel
+from util import assert_rel
 
 
 def make_inputs(M, N, r, dtype, seed=0):

@@ -6,7 +6,7 @@ import torch
 
 from fractus.kernels import linear_attention as la
 from fractus.kernels.linear_attention import linear_attention, linear_attention_reference
-from tests.util import Launches, assert_lowp, assert_rel
+from util import Launches, assert_lowp, assert_rel
 
 PHI = (1 + 5 ** 0.5) / 2
 OMEGAS = [PHI ** (-2 * l) for l in range(2)]

@@ -4,7 +4,7 @@ import torch
 
 from fractus.kernels import moe as moe_mod
 from fractus.kernels.moe import _Route, moe, moe_reference
-from tests.util import Launches, assert_lowp, assert_rel
+from util import Launches, assert_lowp, assert_rel
 
 D, FF = 48, 80  # not multiples of the blocks
 

@@ -1,6 +1,7 @@
 """The trainer under faults: kill -9 and resume, a kill inside a save, malicious checkpoints,
 non-finite losses, bad input, mismatched resumes; PGSU and growth through the CLI."""
 import csv
+import math
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from fractus.data import TokenStreams, load_tokens, prepare, write_toy_corpus
 from fractus.data import main as data_main
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
+from fractus.tokenizer import eot_id, get_tokenizer
 from fractus.train import NonFiniteLoss, choose_active_blocks, main, micro_steps, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -324,6 +326,33 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     assert "'processes': (2, 1)" in capsys.readouterr().err
 
 
+CHANGED = {"preset": ["--preset", "palier0"], "data": None, "batch_size": ["--batch-size", "3"],
+           "chunk_len": ["--chunk-len", "8"], "accum": ["--accum", "2"], "optimizer": ["--optimizer", "sgd"],
+           "seed": ["--seed", "3"], "set": ["--set", "n_layers=3"], "lr": ["--lr", "1e-4"],
+           "weight_decay": ["--weight-decay", "0.5"], "warmup": ["--warmup", "7"],
+           "min_lr_ratio": ["--min-lr-ratio", "0.5"], "grad_clip": ["--grad-clip", "0.5"],
+           "lb_coef": ["--lb-coef", "0.1"], "head_positions": ["--head-positions", "last"],
+           "detach_kuramoto": ["--detach-kuramoto"], "active_blocks": ["--active-blocks", "1"],
+           "bf16": ["--no-bf16"]}
+
+
+def test_resume_refuses_every_setting_that_shapes_the_run(data, tmp_path, capsys):
+    assert set(CHANGED) == set(train_mod.RESUME_KEYS)
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", tokens=2 * 32))
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in ("meta.json", "val.bin", "train.bin"):
+        (other / f).write_bytes((data / f).read_bytes())
+    for key, extra in CHANGED.items():
+        argv = cli(other if key == "data" else data, out, "--eval-every", "0", "--resume", *(extra or []),
+                   tokens=4 * 32)
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"'{key}'" in err, (key, err)
+
+
 def test_pgsu_changes_only_the_active_blocks(data, tmp_path):
     out = tmp_path / "run"
     train(cli(data, out, "--eval-every", "0", "--active-blocks", "1", "--set", "n_layers=3", tokens=32))
@@ -372,6 +401,15 @@ def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
     assert len(rows) == 2 and all(r["git_sha"] and r["date"] and r["split"] == "val" for r in rows)
     assert float(rows[0]["ce"]) == pytest.approx(float(final["val_ce"]), rel=1e-6)
     assert float(rows[0]["bpb"]) == pytest.approx(float(final["val_bpb"]), rel=1e-6)
+    assert rows[0]["ce"] == rows[1]["ce"] and float(rows[0]["ppl"]) == pytest.approx(math.exp(float(rows[0]["ce"])))
+    # bits per byte from the targets' own bytes: CE · targets / ln 2 / bytes (end-of-text: 0 bytes)
+    enc = get_tokenizer(512)
+    streams = TokenStreams(load_tokens(data, "val"), 2, 16)
+    targets = torch.cat([streams.next()[1].flatten() for _ in range(streams.chunks_per_epoch)]).tolist()
+    n_bytes = sum(len(enc.decode_single_token_bytes(t)) for t in targets if t != eot_id(enc))
+    assert int(rows[0]["tokens"]) == len(targets)
+    assert float(rows[0]["bpb"]) == pytest.approx(float(rows[0]["ce"]) * len(targets) / math.log(2) / n_bytes,
+                                                  rel=1e-9)
     other = tmp_path / "other"
     prepare(str(write_toy_corpus(tmp_path / "c.txt")), other, vocab_size=300)
     with pytest.raises(SystemExit) as e:
