@@ -16,6 +16,23 @@ from test_train import ROOT, SAME, make_corpus
 from util import rel_err
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def ddp_args(data, out, steps: int, *extra) -> list[str]:
+    """The trainer's arguments for ``steps`` steps of 2 processes × 2 streams × 16 tokens."""
+    return ["--preset", "tiny", "--data", str(data), "--out", str(out), "--tokens", str(steps * 2 * 2 * 16),
+            "--batch-size", "2", "--chunk-len", "16", "--accum", "1", "--eval-every", "0", "--sample-tokens", "0",
+            "--no-progress", "--threads", "1", *extra]
+
+
+def torchrun(*argv) -> str:
+    """Run 2 processes; their stdout and stderr."""
+    r = subprocess.run([*TORCHRUN, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout + r.stderr
+
+
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch build has no gloo backend")
 @pytest.mark.parametrize("extra", [[], ["--detach-kuramoto"]])  # detached: parameters without gradients
 def test_ddp_step_equals_single_process_step(tmp_path, extra):
@@ -26,11 +43,8 @@ def test_ddp_step_equals_single_process_step(tmp_path, extra):
     common = ["--preset", "tiny", "--data", str(data), "--tokens", "128", "--chunk-len", "16",
               "--accum", "2", "--optimizer", "sgd", "--lr", "1.0", "--warmup", "1", "--lb-coef", "0",
               "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--threads", "1", *extra]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    ddp = subprocess.run([*torchrun, "-m", "fractus.train", *common, "--batch-size", "2",
-                          "--out", str(tmp_path / "ddp")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    assert "2 process(es)" in ddp.stdout and "global batch 2×2 streams" in ddp.stdout
+    log = torchrun("-m", "fractus.train", *common, "--batch-size", "2", "--out", str(tmp_path / "ddp"))
+    assert "2 process(es)" in log and "global batch 2×2 streams" in log
     train([*common, "--batch-size", "4", "--out", str(tmp_path / "one")])
 
     a, b = load_checkpoint(tmp_path / "ddp" / "ckpt.pt"), load_checkpoint(tmp_path / "one" / "ckpt.pt")
@@ -46,73 +60,58 @@ def test_ddp_step_equals_single_process_step(tmp_path, extra):
     assert rel_err(pa - p0, pb - p0) < 1e-4, "the updates differ"
 
 
+def patched_trainer(path, patch: str) -> str:
+    """A script that runs the trainer's CLI after ``patch`` (code using ``T``: fractus.train)."""
+    path.write_text(f"import os, sys\nimport fractus.train as T\n{patch}\nT.main(sys.argv[1:])\n")
+    return str(path)
+
+
 STOP_ON_RANK_1 = """
-import os, sys
-import fractus.train as T
 orig, calls = T.agree, []
 def agree(finite, stop, device, world):  # rank 1 alone is asked to stop, during its 3rd step
     calls.append(1)
     return orig(finite, stop or (os.environ["RANK"] == "1" and len(calls) == 3), device, world)
 T.agree = agree
-T.main(sys.argv[1:])
 """
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch build has no gloo backend")
 def test_ddp_stop_and_resume_equals_uninterrupted(tmp_path):
     data = make_corpus(tmp_path)
-    (tmp_path / "stop.py").write_text(STOP_ON_RANK_1)
-    common = ["--preset", "tiny", "--data", str(data), "--tokens", str(6 * 2 * 2 * 16), "--batch-size", "2",
-              "--chunk-len", "16", "--accum", "1", "--eval-every", "0", "--eval-tokens", "128",
-              "--ckpt-every", "100", "--sample-tokens", "0", "--no-progress", "--threads", "1"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-
-    def run(*argv):
-        r = subprocess.run([*torchrun, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return r.stdout
+    stop = patched_trainer(tmp_path / "stop.py", STOP_ON_RANK_1)
 
     def rows(out):
         with open(out / "metrics.csv", newline="") as f:
             return [{k: r[k] for k in SAME} for r in csv.DictReader(f)]
 
-    run("-m", "fractus.train", *common, "--out", str(tmp_path / "full"))
-    out = tmp_path / "run"
-    assert "stopped at step 3 of 6" in run(str(tmp_path / "stop.py"), *common, "--out", str(out))
+    full, out = tmp_path / "full", tmp_path / "run"
+    torchrun("-m", "fractus.train", *ddp_args(data, full, 6))
+    assert "stopped at step 3 of 6" in torchrun(stop, *ddp_args(data, out, 6))
     ck = load_checkpoint(out / "ckpt.pt")
     assert ck["step"] == 3 and len(ck["states"]) == 2
     s0, s1 = ck["states"]
     assert not torch.equal(s0[0][0], s1[0][0]), "each process carries the state of its own streams"
-    run("-m", "fractus.train", *common, "--out", str(out), "--resume")
-    assert rows(out) == rows(tmp_path / "full")
-    a, b = load_checkpoint(out / "ckpt.pt"), load_checkpoint(tmp_path / "full" / "ckpt.pt")
+    torchrun("-m", "fractus.train", *ddp_args(data, out, 6, "--resume"))
+    assert rows(out) == rows(full)
+    a, b = load_checkpoint(out / "ckpt.pt"), load_checkpoint(full / "ckpt.pt")
     for k, v in b["model"].items():
         assert torch.equal(a["model"][k], v), k
 
 
 NAN_ON_RANK_1 = """
-import os, sys
-import fractus.train as T
 orig, calls = T.micro_steps, []
 def micro_steps(*args, **kwargs):  # rank 1 alone sees a non-finite loss, at its 2nd step
     ce, lb, state, finite = orig(*args, **kwargs)
     calls.append(1)
     return ce, lb, state, finite and not (os.environ["RANK"] == "1" and len(calls) == 2)
 T.micro_steps = micro_steps
-T.main(sys.argv[1:])
 """
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch build has no gloo backend")
 def test_ddp_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    data = make_corpus(tmp_path)
-    (tmp_path / "nan.py").write_text(NAN_ON_RANK_1)
-    argv = ["--preset", "tiny", "--data", str(data), "--tokens", str(4 * 2 * 2 * 16), "--batch-size", "2",
-            "--chunk-len", "16", "--accum", "1", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
-            "--threads", "1", "--out", str(tmp_path / "run")]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(tmp_path / "nan.py"), *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (r.stdout + r.stderr).count("non-finite loss, step skipped (1/3 in a row)") == 2  # both ranks skip it
+    log = torchrun(patched_trainer(tmp_path / "nan.py", NAN_ON_RANK_1),
+                   *ddp_args(make_corpus(tmp_path), tmp_path / "run", 4))
+    assert log.count("non-finite loss, step skipped (1/3 in a row)") == 2  # both ranks skip it
     ck = load_checkpoint(tmp_path / "run" / "ckpt.pt")
     assert ck["step"] == 4 and ck["counters"]["skipped"] == 1 and ck["data_position"] == 5
