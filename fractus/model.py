@@ -305,8 +305,9 @@ class FractusCTE(nn.Module):
                 for _ in range(c.n_layers)]
 
     @staticmethod
-    def detach_state(state: State | None) -> State | None:
-        return None if state is None else [(S.detach(), z.detach()) for S, z in state]
+    def detach_state(state: State | None, device=None) -> State | None:
+        """The state without its graph (and on ``device`` when given)."""
+        return None if state is None else [(S.detach().to(device), z.detach().to(device)) for S, z in state]
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.head is None else self.head.weight

@@ -253,11 +253,6 @@ def rng_state() -> dict:
     return st
 
 
-def state_to(state, device):
-    """The carried state (per block (S, z), or None), detached, on ``device``."""
-    return None if state is None else [(S.detach().to(device), z.detach().to(device)) for S, z in state]
-
-
 def gather_states(state, rank: int, world: int) -> list | None:
     """Every process's carried state (CPU), indexed by rank, on rank 0 (None elsewhere)."""
     if world == 1:
@@ -359,7 +354,7 @@ def train(argv=None) -> dict:
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
         step, elapsed, streams.position = ck["step"], ck["elapsed_s"], ck["data_position"]
-        state = state_to(ck["states"][rank], device)
+        state = FractusCTE.detach_state(ck["states"][rank], device)
         nan_run, skipped, ancestor = ck["counters"]["nan_run"], ck["counters"]["skipped"], ck["ancestor"]
         set_rng_state(ck["rng"])
         if master:
@@ -376,7 +371,7 @@ def train(argv=None) -> dict:
 
     def save():
         """Every process calls it: each one's carried state goes into the checkpoint."""
-        states = gather_states(state_to(state, "cpu"), rank, world)
+        states = gather_states(FractusCTE.detach_state(state, "cpu"), rank, world)
         if master:
             save_checkpoint(ckpt_path, {
                 "config": cfg.to_dict(), "model": model.state_dict(), "optimizer": opt.state_dict(),
