@@ -416,6 +416,9 @@ class FractusCTE(nn.Module):
         ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=self.embed.weight.device)
         if ids.numel() == 0:
             raise ValueError("the prompt is empty: give at least one token")
+        if top_k is not None and top_k < 1 or top_p is not None and not 0 < top_p <= 1 or repetition_penalty <= 0:
+            raise ValueError(f"need top_k ≥ 1 or None, top_p in (0, 1] or None, repetition_penalty > 0; "
+                             f"got {top_k}, {top_p}, {repetition_penalty}")
         gen = torch.Generator(device=ids.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()  # seed None: fresh, global RNG untouched
         was_training = self.training

@@ -32,9 +32,9 @@ from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_stat
 from fractus.data import TokenStreams, load_meta, load_tokens
 from fractus.grow import grow
 from fractus.model import PRESETS, FractusConfig, FractusCTE
+from fractus.sample import PROMPTS, sample_text
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 
-PROMPTS = ("The meaning of life is", "Hello, my name is", "Once upon a time")
 METRIC_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "tok_s", "skipped",
                  "val_ce", "val_bpb", "val_ppl", "elapsed_s")
 # Arguments that must match when resuming: those that shape the run (--tokens may change: it
@@ -459,11 +459,8 @@ def train(argv=None) -> dict:
               f"{final['val_bpb']:.4f} bits/byte, perplexity {final['val_ppl']:.1f}; "
               f"unigram entropy of the split {unigram:.4f} nats/token")
         if args.sample_tokens:
-            enc = get_tokenizer(cfg.vocab_size)
             for p in PROMPTS:
-                ids = model.generate(enc.encode_ordinary(p), args.sample_tokens, temperature=0.9,
-                                     top_k=50, seed=args.seed)
-                print(f"--- {p!r} →{enc.decode(ids)!r}")
+                print(f"--- {p!r} →{sample_text(model, p, args.sample_tokens, seed=args.seed)!r}")
     if world > 1:
         dist.destroy_process_group()
     return last

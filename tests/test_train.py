@@ -415,3 +415,35 @@ def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         evaluate_main([str(out / "ckpt.pt"), "--data", str(other)])
     assert e.value.code == 2 and "vocab_size 512, the data" in capsys.readouterr().err
+
+
+def test_sample_cli(data, tmp_path, capsys):
+    """`python -m fractus.sample`: the same text for the same seed, one line per prompt and sample,
+    greedy equal to the model's own greedy generation; bad arguments and files exit with code 2."""
+    from fractus.sample import main as sample_main
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", "--sample-tokens", "4", tokens=2 * 32))
+    assert "--- 'Once upon a time' →" in capsys.readouterr().out  # the trainer's samples at the end
+    ckpt = str(out / "ckpt.pt")
+    args = [ckpt, "--prompt", "To be", "--prompt", "or not", "--tokens", "8", "--num-samples", "2"]
+    sample_main(args)
+    first = capsys.readouterr().out.splitlines()
+    sample_main(args)
+    assert capsys.readouterr().out.splitlines() == first and len(first) == 4
+    assert [line.split(" →")[0] for line in first] == ["--- 'To be'"] * 2 + ["--- 'or not'"] * 2
+    assert first[0] != first[1]  # sample i uses seed + i
+    model = FractusCTE.load(ckpt)
+    enc = get_tokenizer(512)
+    sample_main([ckpt, "--prompt", "To be", "--tokens", "8", "--temperature", "0"])
+    greedy = enc.decode(model.generate(enc.encode_ordinary("To be"), 8, temperature=0))
+    assert capsys.readouterr().out.strip() == f"--- 'To be' →{greedy!r}"
+    for bad in (["--top-k", "-1"], ["--top-p", "0"], ["--temperature", "-1"], ["--tokens", "0"]):
+        with pytest.raises(SystemExit) as e:
+            sample_main([ckpt, *bad])
+        assert e.value.code == 2 and "must be" in capsys.readouterr().err
+    for bad, msg in (([str(tmp_path / "none.pt")], "does not exist"), ([ckpt, "--prompt", ""], "prompt is empty")):
+        with pytest.raises(SystemExit) as e:
+            sample_main(bad)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(ValueError, match="top_k ≥ 1"):
+        model.generate([1, 2], 3, top_k=0)
