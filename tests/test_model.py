@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
-from fractus.model import FractusConfig, FractusCTE, farey_phases, level_omegas
+from fractus.model import FractusConfig, FractusCTE, farey_phases, level_omegas, load_balance
 from util import assert_rel
 
 
@@ -81,6 +81,28 @@ def test_presets_and_spec_constants():
     assert level_omegas(2)[0] == 1.0 and abs(level_omegas(2)[1] - 0.381966) < 1e-6
     ph = farey_phases(16)
     assert ph.shape == (16,) and ph.unique().numel() == 16 and ph.min() >= 0 and ph.max() < 6.2832
+
+
+def test_tied_embedding_starts_small():
+    """SPEC: the tied embedding starts N(0, 0.02²), not nn.Embedding's N(0, 1) (a defect of the
+    original: with a tied head each token's own logit then dominates the next-token prediction)."""
+    torch.manual_seed(0)
+    model = FractusCTE(FractusConfig.preset("palier0"))
+    w = model.embed.weight.detach()
+    assert abs(float(w.mean())) < 1e-3 and abs(float(w.std()) - 0.02) < 2e-4
+    assert model.cfg.tie_head and model.head is None  # tied: the head reads the embedding
+
+
+def test_load_balance_closed_form():
+    """lb = E·Σ_e (P_e − 1/E)²: 0 for uniform routing, E − 1 when every token picks one expert."""
+    for E in (4, 7, 16):
+        assert float(load_balance(torch.full((3, 5, E), 1 / E))) == pytest.approx(0, abs=1e-7)
+        collapsed = torch.zeros(3, 5, E)
+        collapsed[..., 2] = 1
+        assert float(load_balance(collapsed)) == pytest.approx(E - 1, rel=1e-6)
+        half = torch.zeros(2, E)
+        half[0, 0] = half[1, 1] = 1  # P = (1/2, 1/2, 0, …)
+        assert float(load_balance(half)) == pytest.approx(E * (2 * (0.5 - 1 / E) ** 2 + (E - 2) / E ** 2), rel=1e-6)
 
 
 def test_training_loss_decreases():

@@ -387,6 +387,28 @@ def test_grow_from_cli_keeps_the_loss(data, tmp_path, capsys):
     assert e.value.code == 2 and "d_model 32 → 16 would shrink" in capsys.readouterr().err
 
 
+def test_train_ce_is_each_steps_own_batch(data, tmp_path):
+    """metrics.csv's train_ce at step n is the CE of step n's own batches (the mean of its micro-steps),
+    not a running mean (the original's). With lr 0 the weights stay the initial ones, so each step's CE
+    can be recomputed from the checkpoint, carrying the state across chunks as the trainer does."""
+    out = tmp_path / "run"
+    train(cli(data, out, "--lr", "0", "--accum", "2", "--eval-every", "0", tokens=6 * 64))
+    model = FractusCTE.load(out / "ckpt.pt")
+    streams = TokenStreams(load_tokens(data, "train"), 2, 16)
+    state, want = None, []
+    with torch.no_grad():
+        for _ in range(6):
+            ces = []
+            for _ in range(2):
+                x, y, new_epoch = streams.next()
+                _, parts, state = model(x, None if new_epoch else state, y)
+                ces.append(float(parts["ce"]))
+            want.append(sum(ces) / 2)
+    got = {int(r["step"]): float(r["train_ce"]) for r in reversed(metrics(out))}  # the final row repeats step 6
+    assert [got[n] for n in range(1, 7)] == pytest.approx(want, rel=1e-5)
+    assert max(want) - min(want) > 1e-3  # the batches differ: a running mean would not match
+
+
 def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
     out = tmp_path / "run"
     train(cli(data, out, "--eval-every", "0", tokens=4 * 32))
