@@ -1,14 +1,17 @@
 """Checkpoints: atomic writes, loads that never execute code, clear errors on mismatch.
 
 A checkpoint is a dict of tensors and plain Python values written with ``torch.save`` and
-read back with ``torch.load(weights_only=True)``, so a crafted pickle cannot run code.
+read back with ``torch.load(weights_only=True)``, so a crafted pickle cannot run code. The
+CRC-32 of every member of ``torch.save``'s zip archive is checked first, so damaged bytes are
+reported rather than loaded.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import pickle
-import tempfile
+import secrets
+import zipfile
 from pathlib import Path
 
 import torch
@@ -21,11 +24,15 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(path: str | Path, payload: dict) -> None:
     """Write ``payload`` to ``path`` atomically: temporary file in the same folder, fsync, rename.
 
-    A crash at any moment leaves either the previous file or the new one, never a mix.
+    A crash at any moment leaves either the previous file or the new one, never a mix. The file
+    gets the mode ``open()`` would give it (0o666 less the umask).
     """
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"cannot write checkpoint {path}: it is a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
@@ -43,22 +50,43 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
         os.close(dir_fd)
 
 
+def verify_zip(path: Path) -> None:
+    """Raise ``zipfile.BadZipFile`` unless every member of ``torch.save``'s zip archive passes its
+    CRC-32 check; a file that is no zip archive (legacy format, plain pickle) passes."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04" and not zipfile.is_zipfile(f):  # torch.load tests the former
+            return
+    with zipfile.ZipFile(path) as z:
+        bad = z.testzip()
+    if bad is not None:
+        raise zipfile.BadZipFile(f"member {bad} fails its CRC-32 or header check")
+
+
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     """Read a checkpoint with ``weights_only=True``; raise :class:`CheckpointError` on any defect."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
+        verify_zip(path)
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and "
-                              f"plain values, which could run code ({str(e).splitlines()[0]})") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: the file is truncated or not a "
-                              f"checkpoint ({str(e).splitlines()[0]})") from None
+                              f"plain values, which could run code ({describe(e)})") from None
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: the file is damaged, truncated or not a "
+                              f"checkpoint ({describe(e)})") from None
     if not isinstance(ckpt, dict) or "config" not in ckpt or "model" not in ckpt:
         raise CheckpointError(f"{path} is not a Fractus checkpoint (no 'config'/'model' entries)")
     return ckpt
+
+
+def describe(e: Exception) -> str:
+    """An exception's type and the first line of its message (torch's can run to many)."""
+    line = (str(e).splitlines() or [""])[0]
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 def strip_compile_prefix(state: dict) -> dict:

@@ -129,6 +129,10 @@ def write_toy_corpus(path: str | Path, n_lines: int = 600, seed: int = 0) -> Pat
 def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192,
             val_fraction: float = 0.1) -> dict:
     """Tokenize ``input_path`` (or ``"shakespeare"``) into ``out_dir``; returns the meta dict."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a directory")
     if input_path == "shakespeare":
         train_docs, val_docs = split_documents(shakespeare_plays(), val_names=VAL_PLAYS)
     else:
@@ -163,7 +167,7 @@ def load_meta(data_dir: str | Path) -> dict:
 
 
 def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> np.memmap:
-    """The split's token ids as a read-only memory map."""
+    """The split's token ids as a read-only memory map; every id checked against the vocabulary."""
     meta = meta or load_meta(data_dir)
     dtype = np.uint16 if meta["vocab_size"] <= 65536 else np.uint32
     path = Path(data_dir) / f"{split}.bin"
@@ -171,7 +175,12 @@ def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> n
     if n != meta[split]["tokens"]:
         raise ValueError(f"{path} holds {n} tokens but meta.json says {meta[split]['tokens']}: "
                          "the data directory is inconsistent, prepare it again")
-    return np.memmap(path, dtype=dtype, mode="r")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    bad = np.flatnonzero(tokens >= meta["vocab_size"]) if n else []  # one pass over the file
+    if len(bad):
+        raise ValueError(f"{path} holds token ids ≥ vocab_size {meta['vocab_size']} ({len(bad)} of them, the "
+                         f"first {int(tokens[bad[0]])} at position {int(bad[0])}): prepare the data again")
+    return tokens
 
 
 @dataclass

@@ -43,10 +43,13 @@ def main(argv=None) -> None:
     ap.add_argument("--split", default="val", choices=("val", "train"))
     ap.add_argument("--streams", type=positive_int, default=8, help="contiguous streams read side by side")
     ap.add_argument("--chunk-len", type=positive_int, default=32)
-    ap.add_argument("--tokens", type=positive_int, default=None, help="at most this many targets (default: all)")
+    ap.add_argument("--tokens", type=positive_int, default=None,
+                    help="about this many targets, whole chunks of every stream, at least one (default: all)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--csv", help="append the result as a row of this CSV")
     a = ap.parse_args(argv)
+    if a.csv and Path(a.csv).is_dir():
+        ap.error(f"--csv {a.csv} is a directory; give a file")
     try:
         r = evaluate_checkpoint(a.ckpt, a.data, a.split, a.streams, a.chunk_len, a.tokens, a.device)
     except (ValueError, FileNotFoundError, CheckpointError) as e:

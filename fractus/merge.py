@@ -12,29 +12,35 @@ weights: one checkpoint, e.g. shards trained with ``--grow-from BASE.pt`` on dif
 one seed): independently initialised models are not aligned, and their mean is not a model. So
 every input must record its ``ancestor``, the fingerprint of the weights its run started from
 (:func:`fractus.checkpoint.weights_fingerprint`; the trainer writes it), and all must agree; the
-merge keeps it. The CLI prints each input's relative distance to the mean.
+merge keeps it. The CLI prints each input's relative distance to the mean. The output may not be
+one of the inputs.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-from fractus.checkpoint import (CheckpointError, check_model_state, load_checkpoint, save_checkpoint,
-                                strip_compile_prefix)
+from fractus.checkpoint import CheckpointError, check_model_state, load_checkpoint, save_checkpoint
 from fractus.model import FractusConfig, FractusCTE
 
 # Config fields that only steer training or the kernels; checkpoints may differ in them.
 RUN_FIELDS = ("backend", "chunk_len", "lb_coef", "detach_kuramoto", "fused_ce")
 
 
-def merge(paths: list[str | Path], out: str | Path | None = None) -> dict:
-    """Mean of the checkpoints' parameters → checkpoint dict {config, model, ancestor, merged_from};
-    written atomically to ``out`` when given. Raises CheckpointError when the inputs differ."""
+def merge(paths: list[str | Path], out: str | Path | None = None) -> tuple[dict, list[float]]:
+    """Mean of the checkpoints' parameters → (checkpoint dict {config, model, ancestor, merged_from},
+    each input's :func:`distance_to_mean`); the checkpoint is written atomically to ``out`` when
+    given. Raises CheckpointError when the inputs differ or ``out`` is one of them."""
     if len(paths) < 2:
         raise CheckpointError(f"merge needs at least two checkpoints, got {len(paths)}")
+    if out is not None and os.path.exists(out):
+        for path in paths:
+            if os.path.exists(path) and os.path.samefile(path, out):
+                raise CheckpointError(f"refusing to write the merge to {out}: it is the input {path}")
     acc, first_cfg, ancestor = {}, None, None
     for path in paths:
         ck = load_checkpoint(path)
@@ -73,19 +79,20 @@ def merge(paths: list[str | Path], out: str | Path | None = None) -> dict:
             elif k in acc:
                 acc[k] += v.double()
             else:
-                acc[k] = v.double()
+                acc[k] = v.to(torch.float64, copy=True)
     model = {k: (v / len(paths)).float() if k in params else v for k, v in acc.items()}
     merged = {"config": first_cfg, "model": model, "ancestor": ancestor, "merged_from": [str(p) for p in paths]}
+    # a second read of each input: one model in memory at a time (1b shards are 4 GB each)
+    distances = [distance_to_mean(check_model_state(ref, load_checkpoint(p)["model"], p), model) for p in paths]
     if out is not None:
         save_checkpoint(out, merged)
-    return merged
+    return merged, distances
 
 
-def distance_to_mean(path: str | Path, merged: dict) -> float:
-    """‖θ − θ̄‖ / ‖θ̄‖ over all tensors of checkpoint ``path`` and the merged one."""
-    state = strip_compile_prefix(load_checkpoint(path)["model"])
+def distance_to_mean(state: dict, mean: dict) -> float:
+    """‖θ − θ̄‖ / ‖θ̄‖ over all floating tensors of the state dicts ``state`` and ``mean``."""
     num = den = 0.0
-    for k, m in merged["model"].items():
+    for k, m in mean.items():
         if m.is_floating_point() and k in state:
             num += float((state[k].double() - m.double()).pow(2).sum())
             den += float(m.double().pow(2).sum())
@@ -99,12 +106,12 @@ def main(argv=None) -> None:
     ap.add_argument("-o", "--out", required=True, help="merged checkpoint to write")
     a = ap.parse_args(argv)
     try:
-        merged = merge(a.checkpoints, a.out)
+        _, distances = merge(a.checkpoints, a.out)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    for p in a.checkpoints:
-        print(f"{p}: relative distance to the mean {distance_to_mean(p, merged):.4f}")
+    for p, d in zip(a.checkpoints, distances):
+        print(f"{p}: relative distance to the mean {d:.4f}")
     print(f"wrote {a.out}: mean of {len(a.checkpoints)} checkpoints (no optimizer or recurrent state)")
 
 

@@ -11,6 +11,7 @@ Shapes: B streams, T positions, d = d_model, H heads of D, Lv levels, E experts,
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
 from functools import lru_cache
@@ -20,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from fractus.kernels.backend import BACKENDS
 from fractus.kernels.cross_entropy import linear_cross_entropy
 from fractus.kernels.kuramoto import kuramoto_phase
 from fractus.kernels.linear_attention import linear_attention
@@ -59,18 +61,24 @@ class FractusConfig:
     backend: str = "auto"  # kernels: auto | triton | torch | reference
 
     def __post_init__(self):
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
-        if self.router not in ("phase", "linear"):
-            raise ValueError(f"router must be 'phase' or 'linear', got {self.router!r}")
+        """Check every field (one message per bad field) and normalise numbers to their field's type."""
+        errors = []
+        for name, (rule, check) in _FIELD_CHECKS.items():
+            value = getattr(self, name)
+            if not check(value):
+                errors.append(f"{name} must be {rule}, got {value!r}")
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # 1 → 1.0, numpy ints → int
+                setattr(self, name, type(getattr(FractusConfig, name))(value))
+        if errors:
+            raise ValueError("bad config: " + "; ".join(errors))
         if isinstance(self.attn_decay, (list, tuple)):
             self.attn_decay = tuple(float(g) for g in self.attn_decay)
             if len(self.attn_decay) != self.n_heads:
                 raise ValueError(f"attn_decay has {len(self.attn_decay)} values for {self.n_heads} heads")
-        if not all(0 < g <= 1 for g in self.decays):
-            raise ValueError(f"attn_decay must lie in (0, 1], got {self.attn_decay}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
 
     @property
     def d_head(self) -> int:
@@ -100,6 +108,41 @@ class FractusConfig:
         if unknown:
             raise ValueError(f"unknown config keys {sorted(unknown)}; the fields are {sorted(known)}")
         return cls(**d)
+
+
+def _finite(v, kind=numbers.Real) -> bool:
+    return isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _decay(g) -> bool:
+    return _finite(g) and 0 < g <= 1
+
+
+def _int_min(lo: int):
+    return f"an integer ≥ {lo}", lambda v: _finite(v, numbers.Integral) and v >= lo
+
+
+_POSITIVE = "a finite number > 0", lambda v: _finite(v) and v > 0
+_NON_NEGATIVE = "a finite number ≥ 0", lambda v: _finite(v) and v >= 0
+_BOOL = "true or false", lambda v: isinstance(v, bool)
+
+
+def _one_of(*choices: str):
+    return f"one of {choices}", lambda v: isinstance(v, str) and v in choices
+
+
+_FIELD_CHECKS = {  # field → (what it must be, check)
+    "vocab_size": _int_min(1), "d_model": _int_min(1), "n_heads": _int_min(1), "n_layers": _int_min(1),
+    "n_levels": _int_min(1),
+    "attn_decay": ("a number in (0, 1] or a list of one per head",
+                   lambda v: _decay(v) or isinstance(v, (list, tuple)) and all(map(_decay, v))),
+    "n_experts": _int_min(1), "top_k": _int_min(1), "expert_d_ff": _int_min(1), "expert_rank": _int_min(0),
+    "n_oscillators": _int_min(1), "coupling_rank": _int_min(1), "kuramoto_steps": _int_min(1),
+    "kuramoto_dt": _POSITIVE, "kuramoto_damping": _NON_NEGATIVE, "detach_kuramoto": _BOOL,
+    "router": _one_of("phase", "linear"), "gate_kappa": _POSITIVE, "gate_tau": _POSITIVE,
+    "lb_coef": _NON_NEGATIVE, "tie_head": _BOOL, "fused_ce": _BOOL, "chunk_len": _int_min(1),
+    "eps": _POSITIVE, "backend": _one_of(*BACKENDS),
+}
 
 
 def _preset(d, h, layers, e, f, r, n_osc, k_rank, vocab):
@@ -324,8 +367,10 @@ class FractusCTE(nn.Module):
 
     # -- forward ------------------------------------------------------------------------
     def check_tokens(self, idx: torch.Tensor) -> None:
-        if idx.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"token ids must be int64/int32, got {idx.dtype}")
+        """Raise ValueError unless idx is a [B, T] int64 (or int32) tensor of ids in [0, vocab_size)."""
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            got = f"shape {tuple(idx.shape)} {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be a [B, T] int64 (or int32) tensor of token ids, got {got}")
         if idx.numel():
             lo, hi = torch.stack(torch.aminmax(idx)).tolist()  # one device sync
             if lo < 0 or hi >= self.cfg.vocab_size:
@@ -408,14 +453,21 @@ class FractusCTE(nn.Module):
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
                  repetition_penalty: float = 1.0, seed: int | None = None) -> list[int]:
-        """Prefill the prompt with the chunked forward, then sample tick by tick.
+        """Prefill one prompt with the chunked forward, then sample tick by tick.
 
-        temperature 0 is greedy. repetition_penalty > 1 divides positive (multiplies negative)
-        logits of tokens already in the context. Returns the new token ids.
+        prompt_ids: one sequence of token ids, a list or a [T] tensor (no batch). temperature ≥ 0,
+        0 is greedy. repetition_penalty > 1 divides positive (multiplies negative) logits of tokens
+        already in the context. Returns the max_new_tokens new ids as a list[int].
         """
-        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=self.embed.weight.device)
+        ids = torch.as_tensor(prompt_ids if torch.is_tensor(prompt_ids) else list(prompt_ids), dtype=torch.long,
+                              device=self.embed.weight.device)
+        if ids.dim() != 1:
+            raise ValueError(f"generate takes one sequence of token ids (a list or a [T] tensor), "
+                             f"got shape {tuple(ids.shape)}")
         if ids.numel() == 0:
             raise ValueError("the prompt is empty: give at least one token")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
         if top_k is not None and top_k < 1 or top_p is not None and not 0 < top_p <= 1 or repetition_penalty <= 0:
             raise ValueError(f"need top_k ≥ 1 or None, top_p in (0, 1] or None, repetition_penalty > 0; "
                              f"got {top_k}, {top_p}, {repetition_penalty}")

@@ -31,6 +31,7 @@ from fractus.allocator import keep_freed_memory
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
 from fractus.data import TokenStreams, load_meta, load_tokens
 from fractus.grow import grow
+from fractus.kernels.backend import BACKENDS
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.sample import PROMPTS, sample_text
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
@@ -42,6 +43,7 @@ METRIC_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "t
 RESUME_KEYS = ("preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "set", "lr",
                "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "lb_coef", "head_positions",
                "detach_kuramoto", "active_blocks", "bf16")
+DEFAULT_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}
 
 
 def positive_int(text: str) -> int:
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--head-positions", default="all", choices=("all", "last"))
     a("--detach-kuramoto", action="store_true")
     a("--optimizer", default="adamw", choices=("sgd", "adamw", "rmsprop"))
-    a("--lr", type=float, default=None, help="peak learning rate (default: 2e-3 adamw/rmsprop, 0.1 sgd)")
+    a("--lr", type=float, default=None, help=f"peak learning rate (default: {DEFAULT_LR})")
     a("--weight-decay", type=float, default=0.01)
     a("--warmup", type=int, default=50, help="warm-up optimizer steps")
     a("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of --lr")
@@ -76,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast (default: on for CUDA)")
     a("--compile", action="store_true", help="torch.compile the model")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a("--backend", default="auto", choices=("auto", "triton", "torch", "reference"))
+    a("--backend", default="auto", choices=BACKENDS)
     a("--eval-every", type=int, default=200, help="optimizer steps between validations (0 = end only)")
     a("--eval-tokens", type=int, default=65_536, help="validation tokens per periodic evaluation")
     a("--ckpt-every", type=int, default=200, help="optimizer steps between checkpoints")
@@ -112,8 +114,17 @@ def parse_overrides(pairs: list[str]) -> dict:
     return out
 
 
+# Config fields with their own flag: --set refuses them, so that one setting has one way in.
+FLAG_FIELDS = {"chunk_len": "--chunk-len", "backend": "--backend", "detach_kuramoto": "--detach-kuramoto",
+               "lb_coef": "--lb-coef"}
+
+
 def make_config(args, vocab_size: int) -> FractusConfig:
     over = parse_overrides(args.set)
+    flagged = {k: FLAG_FIELDS[k] for k in over if k in FLAG_FIELDS}
+    if flagged:
+        raise ValueError("set these with their own flags, not --set: "
+                         + ", ".join(f"{k} → {f}" for k, f in flagged.items()))
     over.setdefault("vocab_size", vocab_size)
     over.update(chunk_len=args.chunk_len, backend=args.backend)
     if args.detach_kuramoto:
@@ -124,6 +135,16 @@ def make_config(args, vocab_size: int) -> FractusConfig:
     if cfg.vocab_size != vocab_size:
         raise ValueError(f"the model's vocab_size {cfg.vocab_size} differs from the data's {vocab_size}")
     return cfg
+
+
+def run_settings(args: dict) -> dict:
+    """The arguments that shape a run (RESUME_KEYS), defaults resolved: the data directory as an
+    absolute path, the optimizer's default lr, the config's lb coefficient."""
+    d = {k: args.get(k) for k in RESUME_KEYS}
+    d["data"] = str(Path(d["data"]).resolve())
+    d["lr"] = DEFAULT_LR[d["optimizer"]] if d["lr"] is None else d["lr"]
+    d["lb_coef"] = FractusConfig.lb_coef if d["lb_coef"] is None else d["lb_coef"]
+    return d
 
 
 def make_optimizer(model, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -262,14 +283,19 @@ def gather_states(state, rank: int, world: int) -> list | None:
     return states
 
 
-def agree(finite: bool, stop: bool, device: torch.device, world: int) -> tuple[bool, bool]:
-    """(every process's loss finite, any process asked to stop): all take the same decisions."""
+def agree(finite: bool, stop: bool, ce: float, lb: float, device: torch.device,
+          world: int) -> tuple[bool, bool, float, float]:
+    """(every process's loss finite, any process asked to stop, CE and lb averaged over the
+    processes): all take the same decisions and log the same numbers (one all-reduce)."""
     if world == 1:
-        return finite, stop
-    flags = torch.tensor([float(not finite), float(stop)], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad, stop_any = flags.tolist()
-    return not bad, bool(stop_any)
+        return finite, stop, ce, lb
+    t = torch.tensor([float(not finite), float(stop), ce if finite else 0.0, lb if finite else 0.0],
+                     dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    bad, stop_any, ce_sum, lb_sum = t.tolist()
+    if bad:
+        return False, bool(stop_any), float("nan"), float("nan")
+    return True, bool(stop_any), ce_sum / world, lb_sum / world
 
 
 def set_rng_state(st: dict) -> None:
@@ -289,18 +315,37 @@ def append_metrics(path: Path, row: dict) -> None:
         os.fsync(f.fileno())
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop rows logged after the checkpoint we resume from (they will be produced again)."""
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.csv's complete rows (a row cut by a kill is dropped)."""
     if not path.exists():
-        return
+        return []
     with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if None not in r.values() and int(r["step"]) <= last_step]
+        return [r for r in csv.DictReader(f) if None not in r.values()]
+
+
+def write_metrics(path: Path, rows: list[dict]) -> None:
+    """Replace metrics.csv with ``rows``, atomically."""
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: r.get(k, "") for k in METRIC_FIELDS} for r in rows)
     os.replace(tmp, path)
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop rows logged after the checkpoint we resume from (they will be produced again)."""
+    if path.exists():
+        write_metrics(path, [r for r in read_metrics(path) if int(r["step"]) <= last_step])
+
+
+def record_final(path: Path, step: int, final: dict) -> None:
+    """Put the final validation into step ``step``'s row (one row per step; a rerun replaces it)."""
+    rows = read_metrics(path)
+    if not rows or int(rows[-1]["step"]) != step:
+        rows.append({"step": step})
+    rows[-1].update({k: final[k] for k in ("val_ce", "val_bpb", "val_ppl")})
+    write_metrics(path, rows)
 
 
 def choose_active_blocks(n_layers: int, k: int, seed: int, step: int) -> list[int]:
@@ -323,7 +368,7 @@ def train(argv=None) -> dict:
     TokenStreams(val_tok, args.batch_size, args.chunk_len)  # a too-short split fails now, not at evaluation
     cfg = make_config(args, meta["vocab_size"])
     bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
-    lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 2e-3)
+    lr = run_settings(vars(args))["lr"]
     tokens_per_step = world * args.batch_size * args.chunk_len * args.accum
     total_steps = max(1, math.ceil(args.tokens / tokens_per_step))
     if args.active_blocks and (args.active_blocks > cfg.n_layers or world > 1):
@@ -344,8 +389,8 @@ def train(argv=None) -> dict:
         if lacking:
             raise CheckpointError(f"{ckpt_path} holds a model but no training state (no {', '.join(lacking)}): "
                                   f"start a new run from it with --grow-from")
-        saved = ck["args"]
-        diff = {k: (saved.get(k), getattr(args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(args, k)}
+        saved, now = run_settings(ck["args"]), run_settings(vars(args))
+        diff = {k: (saved[k], now[k]) for k in RESUME_KEYS if saved[k] != now[k]}
         if ck.get("world", 1) != world:
             diff["processes"] = (ck.get("world", 1), world)
         if diff:
@@ -402,7 +447,7 @@ def train(argv=None) -> dict:
             batches = (streams.next() for _ in range(args.accum))
             ce, lb, state, finite = micro_steps(fwd, batches, state, args.accum, args.head_positions,
                                                 device, bf16, net.no_sync if world > 1 else None)
-            finite, stopping = agree(finite, stop.requested, device, world)
+            finite, stopping, ce, lb = agree(finite, stop.requested, ce, lb, device, world)
             norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
             grad_norm = float(norm) if finite else float("nan")
             if not math.isfinite(grad_norm):  # a finite loss can still overflow in the backward
@@ -453,7 +498,7 @@ def train(argv=None) -> dict:
     if master:
         final = evaluate(model, val_tok, args.batch_size, args.chunk_len, None, token_bytes, device, bf16)
         last.update(final)
-        append_metrics(metrics_path, {**last, "step": step})
+        record_final(metrics_path, step, final)
         unigram = meta["val"]["unigram_entropy_nats"]
         print(f"validation ({final['val_tokens']:,} tokens): CE {final['val_ce']:.4f} nats/token, "
               f"{final['val_bpb']:.4f} bits/byte, perplexity {final['val_ppl']:.1f}; "
@@ -473,6 +518,9 @@ def main(argv=None) -> None:
     except (ValueError, FileNotFoundError, FileExistsError, NonFiniteLoss, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # outside the training loop (set-up, final validation, samples)
+        print("interrupted; --resume continues from the last checkpoint, if one was written", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

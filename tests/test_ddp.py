@@ -49,6 +49,8 @@ def test_ddp_step_equals_single_process_step(tmp_path, extra):
 
     a, b = load_checkpoint(tmp_path / "ddp" / "ckpt.pt"), load_checkpoint(tmp_path / "one" / "ckpt.pt")
     assert a["step"] == b["step"] == 1
+    ce = [float(metrics_rows(tmp_path / out)[0]["train_ce"]) for out in ("ddp", "one")]
+    assert ce[0] == pytest.approx(ce[1], rel=1e-6), "the logged CE is every process's mean"
     torch.manual_seed(1337)  # the trainer's initialisation
     init = FractusCTE(FractusConfig.from_dict(a["config"])).state_dict()
     for k, v in b["model"].items():  # per tensor: fp32 sums in another order (level_logits ≈ 2e-5)
@@ -60,6 +62,11 @@ def test_ddp_step_equals_single_process_step(tmp_path, extra):
     assert rel_err(pa - p0, pb - p0) < 1e-4, "the updates differ"
 
 
+def metrics_rows(out, keys=None) -> list[dict]:
+    with open(out / "metrics.csv", newline="") as f:
+        return [{k: r[k] for k in keys or r} for r in csv.DictReader(f)]
+
+
 def patched_trainer(path, patch: str) -> str:
     """A script that runs the trainer's CLI after ``patch`` (code using ``T``: fractus.train)."""
     path.write_text(f"import os, sys\nimport fractus.train as T\n{patch}\nT.main(sys.argv[1:])\n")
@@ -68,9 +75,9 @@ def patched_trainer(path, patch: str) -> str:
 
 STOP_ON_RANK_1 = """
 orig, calls = T.agree, []
-def agree(finite, stop, device, world):  # rank 1 alone is asked to stop, during its 3rd step
+def agree(finite, stop, *rest):  # rank 1 alone is asked to stop, during its 3rd step
     calls.append(1)
-    return orig(finite, stop or (os.environ["RANK"] == "1" and len(calls) == 3), device, world)
+    return orig(finite, stop or (os.environ["RANK"] == "1" and len(calls) == 3), *rest)
 T.agree = agree
 """
 
@@ -80,10 +87,6 @@ def test_ddp_stop_and_resume_equals_uninterrupted(tmp_path):
     data = make_corpus(tmp_path)
     stop = patched_trainer(tmp_path / "stop.py", STOP_ON_RANK_1)
 
-    def rows(out):
-        with open(out / "metrics.csv", newline="") as f:
-            return [{k: r[k] for k in SAME} for r in csv.DictReader(f)]
-
     full, out = tmp_path / "full", tmp_path / "run"
     torchrun("-m", "fractus.train", *ddp_args(data, full, 6))
     assert "stopped at step 3 of 6" in torchrun(stop, *ddp_args(data, out, 6))
@@ -92,7 +95,7 @@ def test_ddp_stop_and_resume_equals_uninterrupted(tmp_path):
     s0, s1 = ck["states"]
     assert not torch.equal(s0[0][0], s1[0][0]), "each process carries the state of its own streams"
     torchrun("-m", "fractus.train", *ddp_args(data, out, 6, "--resume"))
-    assert rows(out) == rows(full)
+    assert metrics_rows(out, SAME) == metrics_rows(full, SAME)
     a, b = load_checkpoint(out / "ckpt.pt"), load_checkpoint(full / "ckpt.pt")
     for k, v in b["model"].items():
         assert torch.equal(a["model"][k], v), k

@@ -1,10 +1,13 @@
 """Merge: parameter mean of checkpoints; compiled keys accepted; mismatches (configs, buffers,
-starting weights) refused clearly."""
+starting weights) and outputs that would overwrite an input refused clearly."""
+import os
+
 import pytest
 import torch
 
 from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, weights_fingerprint
-from fractus.merge import main, merge
+import fractus.merge as merge_mod
+from fractus.merge import distance_to_mean, main, merge
 from fractus.model import FractusConfig, FractusCTE
 from fractus.train import train
 from test_train import cli, make_corpus
@@ -34,15 +37,20 @@ def train_ckpt(path, model: FractusCTE, compiled: bool = False) -> None:
                            "ancestor": ANCESTOR})
 
 
-def test_merge_is_the_parameter_mean(tmp_path, capsys):
+def test_merge_is_the_parameter_mean(tmp_path, capsys, monkeypatch):
     base = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
     shards = [shard(base, s) for s in (1, 2, 3)]
     paths = [tmp_path / f"s{i}.pt" for i in range(3)]
     for i, (m, p) in enumerate(zip(shards, paths)):
         train_ckpt(p, m, compiled=i == 1)
+    reads = []
+    monkeypatch.setattr(merge_mod, "load_checkpoint", lambda p: reads.append(p) or load_checkpoint(p))
     main([str(p) for p in paths] + ["-o", str(tmp_path / "m.pt")])
-    assert "relative distance to the mean" in capsys.readouterr().out
+    assert reads == [str(p) for p in paths] * 2, "read for the sum, then for the distance: one model in memory"
     ck = load_checkpoint(tmp_path / "m.pt")
+    printed = capsys.readouterr().out
+    for m, p in zip(shards, paths):
+        assert f"{p}: relative distance to the mean {distance_to_mean(m.state_dict(), ck['model']):.4f}" in printed
     assert set(ck) == {"config", "model", "ancestor", "merged_from"}, "no optimizer or recurrent state"
     assert ck["ancestor"] == ANCESTOR
     merged = FractusCTE.load(tmp_path / "m.pt")
@@ -59,7 +67,8 @@ def test_merge_ignores_run_settings(tmp_path):
     other.load_state_dict(base.state_dict())
     base.save(tmp_path / "a.pt", ancestor=ANCESTOR)
     other.save(tmp_path / "b.pt", ancestor=ANCESTOR)
-    merged = merge([tmp_path / "a.pt", tmp_path / "b.pt"])
+    merged, distances = merge([tmp_path / "a.pt", tmp_path / "b.pt"])
+    assert distances == [0.0, 0.0]
     for k, v in base.state_dict().items():
         assert_rel(merged["model"][k], v, 1e-7, k)
 
@@ -102,7 +111,7 @@ def test_merge_needs_one_ancestor(tmp_path, capsys):
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
         runs[name] = tmp_path / name / "ckpt.pt"
         train(cli(data, tmp_path / name, "--seed", str(seed), "--eval-every", "0", tokens=2 * 32))
-    ab = merge([runs["a"], runs["b"]])
+    ab, _ = merge([runs["a"], runs["b"]])
     torch.manual_seed(1)
     assert ab["ancestor"] == weights_fingerprint(FractusCTE(FractusConfig.from_dict(ab["config"])).state_dict())
     with pytest.raises(SystemExit) as e:
@@ -112,3 +121,33 @@ def test_merge_needs_one_ancestor(tmp_path, capsys):
     FractusCTE.load(runs["a"]).save(tmp_path / "bare.pt")
     with pytest.raises(CheckpointError, match="does not record the weights its run started from"):
         merge([runs["a"], tmp_path / "bare.pt"])
+
+
+@pytest.mark.parametrize("alias", ["same", "spelled", "symlink", "hardlink"])
+def test_merge_refuses_to_overwrite_an_input(tmp_path, capsys, alias):
+    base = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    train_ckpt(a, shard(base, 1))
+    train_ckpt(b, shard(base, 2))
+    out = {"same": a, "spelled": tmp_path / "sub" / ".." / "a.pt", "symlink": tmp_path / "link.pt",
+           "hardlink": tmp_path / "hard.pt"}[alias]
+    (tmp_path / "sub").mkdir()
+    os.symlink(b, tmp_path / "link.pt")
+    os.link(b, tmp_path / "hard.pt")
+    before = a.read_bytes(), b.read_bytes()
+    with pytest.raises(SystemExit) as e:
+        main([str(a), str(b), "-o", str(out)])
+    assert e.value.code == 2 and "it is the input" in capsys.readouterr().err
+    assert (a.read_bytes(), b.read_bytes()) == before
+    assert load_checkpoint(a)["step"] == 7, "the trainer checkpoint is still resumable"
+
+
+def test_merge_refuses_a_directory_as_output(tmp_path, capsys):
+    base = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
+    train_ckpt(tmp_path / "a.pt", shard(base, 1))
+    train_ckpt(tmp_path / "b.pt", shard(base, 2))
+    (tmp_path / "m").mkdir()
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "-o", str(tmp_path / "m")])
+    assert e.value.code == 2 and "it is a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "b.pt", "m"], "nothing written"

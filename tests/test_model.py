@@ -1,12 +1,16 @@
 """The model: decode equals the chunked forward, causality, presets, bad input, checkpoints, and the
 whole model on the Triton path (interpreted) equal to the CPU path."""
+import dataclasses
+import json
 import random
+import re
 
+import numpy as np
 import pytest
 import torch
 
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
-from fractus.model import FractusConfig, FractusCTE, farey_phases, level_omegas, load_balance
+from fractus.model import _FIELD_CHECKS, FractusConfig, FractusCTE, farey_phases, level_omegas, load_balance
 from util import assert_rel
 
 
@@ -154,6 +158,53 @@ def test_config_validation():
         FractusConfig(top_k=5, n_experts=4)
     with pytest.raises(ValueError, match=r"unknown config keys \['n_layer'\]"):
         FractusConfig.preset("tiny", n_layer=4)
+
+
+BAD_FIELDS = [("n_layers", 0), ("n_layers", 2.5), ("n_layers", "abc"), ("n_layers", True), ("vocab_size", 0),
+              ("n_heads", 0), ("top_k", 0), ("expert_rank", -1), ("kuramoto_steps", 0), ("chunk_len", 0),
+              ("tie_head", "maybe"), ("fused_ce", 1), ("detach_kuramoto", "true"), ("kuramoto_dt", 0),
+              ("kuramoto_dt", float("nan")), ("gate_tau", -1.0), ("gate_kappa", 0.0), ("lb_coef", -0.1),
+              ("lb_coef", "x"), ("eps", float("inf")), ("kuramoto_damping", -1), ("backend", "cuda"),
+              ("router", None), ("attn_decay", "0.9"), ("attn_decay", [0.9, True]), ("attn_decay", 0)]
+
+
+@pytest.mark.parametrize("name,value", BAD_FIELDS, ids=lambda v: repr(v))
+def test_config_refuses_bad_field(name, value):
+    """Each field is checked for type and range (what `--set KEY=VALUE` can pass) with its own message."""
+    with pytest.raises(ValueError, match=rf"bad config: {name} must be .*, got {re.escape(repr(value))}$"):
+        FractusConfig.preset("tiny", **{name: value})
+
+
+def test_config_names_every_bad_field_and_checks_every_field():
+    assert set(_FIELD_CHECKS) == {f.name for f in dataclasses.fields(FractusConfig)}
+    with pytest.raises(ValueError, match=r"n_layers must be .*, got 0; tie_head must be true or false"):
+        FractusConfig(n_layers=0, tie_head="maybe")
+
+
+def test_config_roundtrip_and_number_types():
+    """Saved configs (JSON-like dicts, attn_decay as a list) load back equal; ints are accepted for
+    float fields, numpy ints for int fields, and both are stored as the field's type."""
+    c = FractusConfig.preset("tiny", attn_decay=[0.9, 1], kuramoto_dt=1, lb_coef=0, n_layers=np.int64(3),
+                             expert_rank=0)
+    assert c.attn_decay == (0.9, 1.0) and c.kuramoto_dt == 1.0 and c.lb_coef == 0.0
+    assert type(c.kuramoto_dt) is float and type(c.n_layers) is int
+    d = json.loads(json.dumps(c.to_dict()))
+    assert FractusConfig.from_dict(d) == c and d["attn_decay"] == [0.9, 1.0]
+    for name in ("tiny", "palier0", "1b"):
+        p = FractusConfig.preset(name)
+        assert FractusConfig.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_forward_and_generate_refuse_bad_shapes():
+    model = FractusCTE(FractusConfig.preset("tiny"))
+    for idx in (torch.tensor([1, 2, 3]), torch.ones(1, 3), [[1, 2, 3]]):
+        with pytest.raises(ValueError, match=r"idx must be a \[B, T\] int64"):
+            model(idx)
+    with pytest.raises(ValueError, match="one sequence of token ids"):
+        model.generate(torch.tensor([[1, 2, 3]]), 2)
+    with pytest.raises(ValueError, match="temperature must be ≥ 0"):
+        model.generate([1, 2, 3], 2, temperature=-1)
+    assert model.generate(torch.tensor([1, 2, 3]), 2, temperature=0) == model.generate([1, 2, 3], 2, temperature=0)
 
 
 @pytest.mark.parametrize("router", ["phase", "linear"])

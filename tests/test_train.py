@@ -71,7 +71,7 @@ def reference(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     train(cli(data, out))
     rows = metrics(out)
-    assert len(rows) == STEPS + 1 and rows[-1]["val_ce"]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1)) and rows[-1]["val_ce"]  # a row per step
     return rows
 
 
@@ -96,6 +96,8 @@ def test_stop_after_then_resume_equals_uninterrupted(data, reference, tmp_path, 
     assert f"stopped at step 7 of {STEPS}" in capsys.readouterr().out
     assert load_checkpoint(out / "ckpt.pt")["step"] == 7 and len(metrics(out)) == 7
     train(cli(data, out, "--resume", "--stop-after", str(STEPS)))  # past the end: runs to it
+    assert metrics(out) == reference
+    train(cli(data, out, "--resume"))  # a finished run: validates again and rewrites its last row
     assert metrics(out) == reference
 
 
@@ -189,7 +191,7 @@ def test_nan_step_is_skipped_with_a_message(data, tmp_path, monkeypatch, capsys)
     train(cli(data, out, "--eval-every", "0", tokens=6 * 32))
     assert "step 2: non-finite loss, step skipped (1/3 in a row)" in capsys.readouterr().out
     rows = metrics(out)
-    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6, 6]
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(np.isfinite(float(r["train_ce"])) for r in rows)
     ck = load_checkpoint(out / "ckpt.pt")
     assert ck["data_position"] == 7, "the bad chunk is skipped"
@@ -212,7 +214,7 @@ def test_non_finite_gradient_under_a_finite_loss_is_skipped(data, tmp_path, monk
     train(cli(data, out, "--eval-every", "0", tokens=6 * 32))
     assert "step 2: non-finite gradient, step skipped (1/3 in a row)" in capsys.readouterr().out
     rows = metrics(out)
-    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6, 6]
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
     norms = [float(r["grad_norm"]) for r in rows[:-1]]
     assert all(np.isfinite(n) and n > 0 for n in norms), norms
     ck = load_checkpoint(out / "ckpt.pt")
@@ -266,16 +268,22 @@ def test_bad_corpora(tmp_path, data, capsys):
         with pytest.raises(SystemExit) as e:
             main(cli(tmp_path / d, tmp_path / f"run-{d}"))
         assert e.value.code == 2 and msg in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        data_main(["prepare", "--input", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "d")])
-    assert e.value.code == 2 and "error: the corpus is empty" in capsys.readouterr().err
+    for extra, msg in ((["--input", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "d")], "the corpus is empty"),
+                       (["--input", "shakespeare", "--out", str(tmp_path / "empty.txt")], "is a file, not a directory"),
+                       (["--input", str(tmp_path / "short.txt"), "--out", str(tmp_path / "d"), "--val-fraction", "1.5"],
+                        "val_fraction must lie in (0, 1), got 1.5")):
+        with pytest.raises(SystemExit) as e:
+            data_main(["prepare", *extra])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_bad_arguments(data, tmp_path, capsys):
     cases = [(["--set", "n_layer=4"], "unknown config keys ['n_layer']"),
              (["--batch-size", "0"], "argument --batch-size: must be ≥ 1, got 0"),
              (["--chunk-len", "0"], "argument --chunk-len: must be ≥ 1, got 0"),
-             (["--accum", "-1"], "argument --accum: must be ≥ 1, got -1")]
+             (["--accum", "-1"], "argument --accum: must be ≥ 1, got -1"),
+             (["--set", "chunk_len=64", "backend=torch"], "not --set: chunk_len → --chunk-len, backend → --backend"),
+             (["--set", "n_layers=0", "tie_head=maybe"], "n_layers must be an integer ≥ 1, got 0; tie_head must be")]
     for extra, msg in cases:
         with pytest.raises(SystemExit) as e:
             main(cli(data, tmp_path / "run", *extra))
@@ -289,15 +297,16 @@ def test_bad_token_ids_and_vocab(tmp_path, data, capsys):
     for f in ("meta.json", "val.bin", "train.bin"):
         (bad / f).write_bytes((data / f).read_bytes())
     ids = np.memmap(bad / "train.bin", dtype=np.uint16, mode="r+")
-    ids[5] = 600
+    ids[len(ids) - 9] = 600  # near the end: found before training, not when a batch reaches it
     ids.flush()
     del ids
-    cases = [(bad, [], "token ids must lie in [0, 512)"),
+    cases = [(bad, [], "train.bin holds token ids ≥ vocab_size 512 (1 of them, the first 600 at position"),
              (data, ["--set", "vocab_size=256"], "differs from the data's 512")]
     for d, extra, msg in cases:
         with pytest.raises(SystemExit) as e:
             main(cli(d, tmp_path / "run", *extra, tokens=64))
         assert e.value.code == 2 and msg in capsys.readouterr().err
+        assert not (tmp_path / "run").exists()
     (bad / "train.bin").write_bytes((data / "train.bin").read_bytes()[:-2])
     with pytest.raises(SystemExit):
         main(cli(bad, tmp_path / "run", tokens=64))
@@ -309,7 +318,7 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     train(cli(data, out, "--eval-every", "0", tokens=5 * 32))
     cases = [(["--resume", "--batch-size", "3"], "--resume with different settings"),
              (["--resume", "--set", "n_layers=3"], "--resume with different settings"),
-             (["--resume", "--lr", "1e-4"], "'lr': (None, 0.0001)"),  # the restored optimizer would ignore it
+             (["--resume", "--lr", "1e-4"], "'lr': (0.002, 0.0001)"),  # the restored optimizer would ignore it
              (["--resume", "--weight-decay", "0.5"], "'weight_decay': (0.01, 0.5)"),
              ([], "exists: pass --resume")]
     for extra, msg in cases:
@@ -324,6 +333,12 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(cli(data, out, "--eval-every", "0", "--resume", tokens=10 * 32))
     assert "'processes': (2, 1)" in capsys.readouterr().err
+    save_checkpoint(out / "ckpt.pt", ck)
+    # the same settings written otherwise: the data directory by another path, the default lr explicitly
+    relative = os.path.relpath(data, Path.cwd())
+    assert not os.path.isabs(relative)
+    train([*cli(data, out, "--eval-every", "0", "--resume", "--lr", "0.002", tokens=6 * 32), "--data", relative])
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 6
 
 
 CHANGED = {"preset": ["--preset", "palier0"], "data": None, "batch_size": ["--batch-size", "3"],
@@ -409,6 +424,22 @@ def test_train_ce_is_each_steps_own_batch(data, tmp_path):
     assert max(want) - min(want) > 1e-3  # the batches differ: a running mean would not match
 
 
+def test_interrupt_outside_the_training_loop(data, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the final validation: a message and exit code 130, not a traceback; the
+    checkpoint of the last step is already written and a resume finishes the run."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    out = tmp_path / "run"
+    monkeypatch.setattr(train_mod, "evaluate", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main(cli(data, out, "--eval-every", "0", tokens=3 * 32))
+    assert e.value.code == 130 and "interrupted; --resume continues" in capsys.readouterr().err
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 3 and not metrics(out)[-1]["val_ce"]
+    monkeypatch.undo()
+    train(cli(data, out, "--eval-every", "0", "--resume", tokens=3 * 32))
+    assert [r["step"] for r in metrics(out)] == ["1", "2", "3"] and metrics(out)[-1]["val_ce"]
+
+
 def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
     out = tmp_path / "run"
     train(cli(data, out, "--eval-every", "0", tokens=4 * 32))
@@ -432,6 +463,9 @@ def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
     assert int(rows[0]["tokens"]) == len(targets)
     assert float(rows[0]["bpb"]) == pytest.approx(float(rows[0]["ce"]) * len(targets) / math.log(2) / n_bytes,
                                                   rel=1e-9)
+    with pytest.raises(SystemExit) as e:
+        evaluate_main([str(out / "ckpt.pt"), "--data", str(data), "--csv", str(tmp_path)])
+    assert e.value.code == 2 and "is a directory" in capsys.readouterr().err
     other = tmp_path / "other"
     prepare(str(write_toy_corpus(tmp_path / "c.txt")), other, vocab_size=300)
     with pytest.raises(SystemExit) as e:
