@@ -459,11 +459,13 @@ class FractusCTE(nn.Module):
         0 is greedy. repetition_penalty > 1 divides positive (multiplies negative) logits of tokens
         already in the context. Returns the max_new_tokens new ids as a list[int].
         """
-        ids = torch.as_tensor(prompt_ids if torch.is_tensor(prompt_ids) else list(prompt_ids), dtype=torch.long,
-                              device=self.embed.weight.device)
-        if ids.dim() != 1:
-            raise ValueError(f"generate takes one sequence of token ids (a list or a [T] tensor), "
-                             f"got shape {tuple(ids.shape)}")
+        ids = torch.as_tensor(prompt_ids if torch.is_tensor(prompt_ids) else list(prompt_ids))
+        if ids.dim() != 1 or ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+            raise ValueError(f"generate takes one sequence of integer token ids (a list or a [T] tensor), "
+                             f"got shape {tuple(ids.shape)} {ids.dtype}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+        ids = ids.to(device=self.embed.weight.device, dtype=torch.long)
         if ids.numel() == 0:
             raise ValueError("the prompt is empty: give at least one token")
         if not temperature >= 0:

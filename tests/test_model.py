@@ -200,8 +200,11 @@ def test_forward_and_generate_refuse_bad_shapes():
     for idx in (torch.tensor([1, 2, 3]), torch.ones(1, 3), [[1, 2, 3]]):
         with pytest.raises(ValueError, match=r"idx must be a \[B, T\] int64"):
             model(idx)
-    with pytest.raises(ValueError, match="one sequence of token ids"):
-        model.generate(torch.tensor([[1, 2, 3]]), 2)
+    for prompt in (torch.tensor([[1, 2, 3]]), torch.tensor([1.0, 2.5]), [1.5, 2.0]):
+        with pytest.raises(ValueError, match="one sequence of integer token ids"):
+            model.generate(prompt, 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be ≥ 0"):
+        model.generate([1, 2, 3], -1)
     with pytest.raises(ValueError, match="temperature must be ≥ 0"):
         model.generate([1, 2, 3], 2, temperature=-1)
     assert model.generate(torch.tensor([1, 2, 3]), 2, temperature=0) == model.generate([1, 2, 3], 2, temperature=0)
