@@ -52,7 +52,7 @@ def main(argv=None) -> None:
         ap.error(f"--csv {a.csv} is a directory; give a file")
     try:
         r = evaluate_checkpoint(a.ckpt, a.data, a.split, a.streams, a.chunk_len, a.tokens, a.device)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ValueError, OSError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"{a.ckpt} on {a.split} ({r['val_tokens']:,} tokens, {a.streams} streams): CE {r['val_ce']:.4f} "

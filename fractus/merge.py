@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     try:
         _, distances = merge(a.checkpoints, a.out)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     for p, d in zip(a.checkpoints, distances):

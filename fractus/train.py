@@ -515,7 +515,7 @@ def main(argv=None) -> None:
     keep_freed_memory()
     try:
         train(argv)
-    except (ValueError, FileNotFoundError, FileExistsError, NonFiniteLoss, CheckpointError) as e:
+    except (ValueError, OSError, NonFiniteLoss, CheckpointError) as e:  # OSError: e.g. a full disk while saving
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # outside the training loop (set-up, final validation, samples)

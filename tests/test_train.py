@@ -440,6 +440,27 @@ def test_interrupt_outside_the_training_loop(data, tmp_path, monkeypatch, capsys
     assert [r["step"] for r in metrics(out)] == ["1", "2", "3"] and metrics(out)[-1]["val_ce"]
 
 
+def test_a_failing_save_keeps_the_previous_checkpoint(data, tmp_path, monkeypatch, capsys):
+    """A full disk while saving: `error: …` and exit code 2, and the last checkpoint written still
+    resumes."""
+    saves = []
+
+    def save(path, payload):
+        saves.append(payload["step"])
+        if len(saves) == 2:
+            raise OSError(28, "No space left on device")
+        save_checkpoint(path, payload)
+    monkeypatch.setattr(train_mod, "save_checkpoint", save)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(cli(data, out, "--eval-every", "0", "--ckpt-every", "2", tokens=6 * 32))
+    assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err
+    assert saves == [2, 4] and load_checkpoint(out / "ckpt.pt")["step"] == 2
+    monkeypatch.undo()
+    train(cli(data, out, "--eval-every", "0", "--resume", tokens=6 * 32))
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 6
+
+
 def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
     out = tmp_path / "run"
     train(cli(data, out, "--eval-every", "0", tokens=4 * 32))
