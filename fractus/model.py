@@ -179,7 +179,13 @@ def _farey_angles(n_experts: int) -> tuple[float, ...]:
 
 
 class LinearAttention(nn.Module):
-    """Multi-level causal linear attention; carries (S, z) per (level, head)."""
+    """Multi-level causal linear attention; carries (S, z) per (level, head).
+
+    q, k, v = LN(h)·W + b in H heads of D. Level l, feature map f_l(u) = elu(u + ω_l) + 1:
+    S_t = γ_h·S_{t−1} + f_l(k_t) v_tᵀ, z_t = γ_h·z_{t−1} + f_l(k_t) (inclusive of t),
+    y_l = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + ε); o = Σ_l softmax(level_logits)_l·y_l, then W_o, b_o.
+    S [B, Lv, H, D, D] and z [B, Lv, H, D] stay fp32 (:mod:`fractus.kernels.linear_attention`).
+    """
 
     def __init__(self, cfg: FractusConfig):
         super().__init__()
@@ -238,7 +244,12 @@ class KuramotoClock(nn.Module):
 
 
 class PhaseRoutedMoE(nn.Module):
-    """Top-k experts chosen per token by a von Mises gate on ψ (or a linear router)."""
+    """Top-k experts chosen per token by a von Mises gate on ψ (or a linear router).
+
+    p = softmax(gate_logits), its top-K renormalised to weights w; out = Σ_k w_k·f_{e_k}(m),
+    m = LN(h), with f_e(m) = s2_e·(gelu(s1_e·(m V1_e) U1_eᵀ + b1_e) V2_e) U2_eᵀ + b2_e (rank r),
+    or gelu(m W1_e + b1_e) W2_e + b2_e when expert_rank = 0 (:mod:`fractus.kernels.moe`).
+    """
 
     def __init__(self, cfg: FractusConfig):
         super().__init__()
