@@ -131,7 +131,7 @@ def merge_probe(recipe: Recipe, tokens_per_half: int, eval_tokens: int, seed: in
     """Two runs from one seeded initialisation, each on its own half of the training split
     (``tokens_per_half`` tokens each), and their mean-merge through :func:`fractus.merge.merge`.
 
-    Returns {"rows": [{model, val_ce, val_bpb, relative_distance_to_merge, train_tokens}] for
+    Returns {"rows": [{model, val_ce, val_bpb, relative_distance_to_merge, tokens_seen}] for
     the initialisation, half A, half B and the merge; "merge_vs_mean": the largest absolute
     difference between fractus.merge's result and :func:`mean_merge` of the two}.
     """
@@ -165,5 +165,5 @@ def merge_probe(recipe: Recipe, tokens_per_half: int, eval_tokens: int, seed: in
                           ("mean-merge of A and B", merged, 2 * tokens_per_half)):
         r = evaluate(m, val, 8, 32, eval_tokens, tb, torch.device("cpu"))
         rows.append({"model": name, "val_ce": r["val_ce"], "val_bpb": r["val_bpb"],
-                     "relative_distance_to_merge": dist(m), "train_tokens": seen})
+                     "relative_distance_to_merge": dist(m), "tokens_seen": seen})
     return {"rows": rows, "merge_vs_mean": gap}
