@@ -107,6 +107,18 @@ def test_out_of_range_target(path):
             linear_cross_entropy(h, w, t2, backend=path)
 
 
+@pytest.mark.parametrize("path", ["torch", "triton", "reference"])
+def test_non_integer_targets_or_positions(path):
+    """A bool mask as positions, or float targets, is refused on every path (the Triton path
+    used to read a mask as indices 0/1)."""
+    h, w, t = _inputs(8, 127, 48)
+    for kw, msg in (({"positions": t > 60}, "positions must hold integer token indices, got torch.bool"),
+                    ({"targets": t.float()}, "targets must hold integer token indices, got torch.float32")):
+        args = {"targets": t, **kw}
+        with pytest.raises(TypeError, match=msg):
+            linear_cross_entropy(h, w, args.pop("targets"), backend=path, **args)
+
+
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_no_scored_rows(path):
     """All rows ignored, or no positions: loss 0 with zero gradients."""

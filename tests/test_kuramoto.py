@@ -91,3 +91,19 @@ def test_model_gradients_match_reference_clock(path):
         if grads[1][n].norm() > 1e-3 * scale:
             assert_rel(grads[0][n], grads[1][n], 1e-4, n)  # fp32 summation-order noise is ~1e-5
     assert any("clock.U" in n for n in grads[1]) and any("clock.encoder" in n for n in grads[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_shapes_and_dtypes_are_refused(backend):
+    """Shapes that the Triton kernels would read out of bounds, or dtypes the paths would treat
+    differently, are a ValueError naming the argument on both fast paths."""
+    theta, omega, U, lam = (t.detach() for t in make_inputs(5, 8, 2, torch.float32))
+    cases = [((theta[0], omega, U, lam), "theta0 must be a floating \\[M, N\\]"),
+             ((theta.long(), omega, U, lam), "theta0 must be a floating"),
+             ((theta, omega[:1], U, lam), "omega must be \\[8\\]"),
+             ((theta, omega, U[:7], lam), "U must be \\[8, 2\\]"),
+             ((theta, omega, U, lam[:1]), "U must be \\[8, 1\\]"),
+             ((theta, omega.double(), U, lam), "omega must be \\[8\\] torch.float32")]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            kuramoto_phase(*args, 0.1, 2, 0.05, backend=backend)

@@ -82,6 +82,50 @@ def test_auto_on_cpu_and_bad_keys():
         moe(x, idx, w, {"V1": ex["V1"]})
 
 
+def _set(ex, **kw):
+    return {**ex, **kw}
+
+
+# (name, lowrank, bad(x, idx, w, ex) -> (x, idx, w, ex), error, message naming the argument);
+# N, E, K = 4, 3, 2
+BAD = [
+    ("x fewer rows", True, lambda x, i, w, ex: (x[:3], i, w, ex), ValueError, r"idx must be \[N, K\] with N=3"),
+    ("idx, w one row short", True, lambda x, i, w, ex: (x, i[:3], w[:3], ex), ValueError, r"idx must be"),
+    ("w [N, K+1]", True, lambda x, i, w, ex: (x, i, torch.ones(4, 3), ex), ValueError, r"w must be"),
+    ("w [K, N]", False, lambda x, i, w, ex: (x, i, w.t(), ex), ValueError, r"w must be"),
+    ("x d+1 columns", True, lambda x, i, w, ex: (torch.randn(4, D + 1), i, w, ex), ValueError, r"experts\['V1'\]"),
+    ("x d+1 dense", False, lambda x, i, w, ex: (torch.randn(4, D + 1), i, w, ex), ValueError, r"experts\['W1'\]"),
+    ("b1 [E-1, F]", False, lambda x, i, w, ex: (x, i, w, _set(ex, b1=ex["b1"][:2])), ValueError, r"from b1"),
+    ("s1 [E-1]", True, lambda x, i, w, ex: (x, i, w, _set(ex, s1=ex["s1"][:2])), ValueError, r"experts\['s1'\]"),
+    ("U2 rank r+1", True, lambda x, i, w, ex: (x, i, w, _set(ex, U2=torch.randn(3, D, 17))), ValueError,
+     r"experts\['U2'\]"),
+    ("3-D x", True, lambda x, i, w, ex: (x.view(2, 2, D), i, w, ex), ValueError, r"x must be \[N, d\]"),
+    ("idx = -1", True, lambda x, i, w, ex: (x, i.masked_fill(i == i[0, 0], -1), w, ex), ValueError,
+     r"idx must lie in \[0, E=3\)"),
+    ("idx = E", False, lambda x, i, w, ex: (x, i.masked_fill(i == i[0, 0], 3), w, ex), ValueError,
+     r"idx must lie in \[0, E=3\)"),
+    ("float idx", True, lambda x, i, w, ex: (x, i.float(), w, ex), TypeError, r"idx"),
+    ("int w", True, lambda x, i, w, ex: (x, i, torch.ones(4, 2, dtype=torch.int64), ex), TypeError, r"w"),
+    ("fp64 dense on Triton", False,
+     lambda x, i, w, ex: (x.double(), i, w.double(), {k: v.double() for k, v in ex.items()}), TypeError,
+     r"Triton MoE takes fp32/fp16/bf16 x"),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "reference"])
+@pytest.mark.parametrize("name,lowrank,bad,err,msg", BAD, ids=[c[0] for c in BAD])
+def test_bad_inputs_raise(backend, name, lowrank, bad, err, msg):
+    """Mismatched shapes, dtypes and expert ids raise an error naming the argument on every path
+    (fp64 is only refused by Triton) instead of corrupting memory or giving wrong results."""
+    if name.endswith("on Triton") and backend != "triton":
+        pytest.skip("fp64 is valid on the PyTorch paths")
+    torch.manual_seed(0)
+    ex = {k: v.detach() for k, v in make_experts(3, lowrank=lowrank).items()}
+    x, idx, w = (t.detach() for t in make_inputs(4, 3, 2))
+    with pytest.raises(err, match=msg):
+        moe(*bad(x, idx, w, ex), backend=backend)
+
+
 # ----------------------------------------------------------------------------- Triton (interpreter)
 @pytest.mark.parametrize("N,E,K", [(37, 16, 2), (40, 4, 1), (1, 7, 7)])
 def test_route_tiles_cover_each_row_once(N, E, K):

@@ -7,6 +7,7 @@ in the environment before :mod:`triton` is first imported (``tests/conftest.py``
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -48,3 +49,16 @@ def empty(*shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if _POISON and out.is_floating_point():
         out.fill_(float("nan"))
     return out
+
+
+def first_order_only(backward):
+    """Decorate a hand-written autograd backward: with ``create_graph=True`` (grad mode on inside
+    the backward) raise, instead of returning gradients that a second derivative would treat as
+    constants (``once_differentiable`` misses that case when the incoming gradient is constant)."""
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{type(ctx).__name__}: second derivatives (create_graph=True) are not supported "
+                               "by this kernel's hand-written backward; use backend='reference'")
+        return backward(ctx, *grads)
+    return checked

@@ -29,6 +29,10 @@ def _check(h, weight, targets, positions, reduction, softcap):
         raise ValueError(f"h must be [N, d] and weight [V, d], got {tuple(h.shape)} and {tuple(weight.shape)}")
     if targets.shape != (h.shape[0],):
         raise ValueError(f"targets must be [N]={h.shape[0]}, got {tuple(targets.shape)}")
+    for name, t in (("targets", targets), ("positions", positions)):
+        if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            raise TypeError(f"{name} must hold integer token indices, got {t.dtype}"
+                            + (" (a mask: pass mask.nonzero()[:, 0])" if t.dtype == torch.bool else ""))
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if softcap is not None and not softcap > 0:
@@ -167,6 +171,7 @@ class _ChunkedLCE(torch.autograd.Function):
         return loss, ce
 
     @staticmethod
+    @_backend.first_order_only
     def backward(ctx, g_loss, g_ce):
         if ctx.grads is None:
             raise RuntimeError("linear_cross_entropy's CPU path computes its gradients in the forward and "
@@ -404,6 +409,7 @@ class _TritonLCE(torch.autograd.Function):
         return loss, ce
 
     @staticmethod
+    @_backend.first_order_only
     def backward(ctx, g_loss, g_ce):
         h_, w_, t, positions, lse = ctx.saved_tensors
         ignore_index, reduction, z_loss, softcap, cfg, h_dtype, w_dtype, N = ctx.args

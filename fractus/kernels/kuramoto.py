@@ -86,6 +86,7 @@ class _KuramotoFn(torch.autograd.Function):
         return psi
 
     @staticmethod
+    @_backend.first_order_only
     def backward(ctx, g_psi):
         U, lam, K, theta, *flat = ctx.saved_tensors
         dt, steps, damping = ctx.consts
@@ -270,6 +271,7 @@ class _KuramotoTritonFn(torch.autograd.Function):
         return psi.to(theta0.dtype)
 
     @staticmethod
+    @_backend.first_order_only
     def backward(ctx, g_psi):
         thetas, xy, omega, K, U, lam = ctx.saved_tensors
         dt, steps, damping, theta_dtype, omega_dtype = ctx.consts
@@ -288,6 +290,18 @@ class _KuramotoTritonFn(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- public
+def _check(theta0, omega, U, lam) -> None:
+    """θ⁰ [M, N] floating; ω [N]; U [N, r]; λ [r], all in θ⁰'s dtype (shapes only: no device sync)."""
+    if theta0.dim() != 2 or not theta0.is_floating_point():
+        raise ValueError(f"theta0 must be a floating [M, N] tensor, got {tuple(theta0.shape)} {theta0.dtype}")
+    N = theta0.shape[1]
+    r = lam.shape[0] if lam.dim() == 1 else -1
+    for name, t, shape in (("omega", omega, (N,)), ("U", U, (N, r)), ("lam", lam, (r,))):
+        if tuple(t.shape) != shape or t.dtype != theta0.dtype:
+            raise ValueError(f"{name} must be {list(shape)} {theta0.dtype} for theta0 {list(theta0.shape)}, "
+                             f"got {list(t.shape)} {t.dtype}")
+
+
 def kuramoto_phase(theta0, omega, U, lam, dt: float, steps: int, damping: float,
                    backend: str = "auto"):
     """θ⁰ [M, N] → routing angle ψ [M] (dtype of θ⁰; run it in fp32). ``"auto"``: the Triton
@@ -296,6 +310,7 @@ def kuramoto_phase(theta0, omega, U, lam, dt: float, steps: int, damping: float,
     path = _backend.pick(backend, theta0)
     if path == "reference":
         return kuramoto_phase_reference(theta0, omega, U, lam, dt, steps, damping)
+    _check(theta0, omega, U, lam)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (theta0, omega, U, lam))
     if path == "triton":
         if grad:

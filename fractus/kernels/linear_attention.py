@@ -534,6 +534,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         return o, sf, zf
 
     @staticmethod
+    @_backend.first_order_only
     def backward(ctx, do, dsf, dzf):
         q, k, v, w, S0, z0, om, g, y, den = ctx.saved_tensors
         eps = ctx.eps

@@ -1,6 +1,6 @@
 """Sparse mixture of (low-rank or dense) experts: y[n] = Σ_k w[n,k] · f_{idx[n,k]}(x[n]).
 
-Shapes: x [N, d] tokens, idx [N, K] int64 expert ids in [0, E), w [N, K] gate weights.
+Shapes: x [N, d] tokens, idx [N, K] integer expert ids in [0, E), w [N, K] gate weights.
 
 Low-rank experts (keys V1 [E, d, r], U1 [E, F, r], b1 [E, F], s1 [E], V2 [E, F, r],
 U2 [E, d, r], b2 [E, d], s2 [E]):
@@ -35,6 +35,48 @@ def _is_lowrank(experts: dict) -> bool:
                    f"got {sorted(experts)}")
 
 
+_LAYOUT = dict(V1="[E, d, r]", U1="[E, F, r]", b1="[E, F]", s1="[E]", V2="[E, F, r]", U2="[E, d, r]",
+               b2="[E, d]", s2="[E]", W1="[E, d, F]", W2="[E, F, d]")
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_range(lo: int, hi: int, E: int) -> None:
+    if lo < 0 or hi >= E:
+        raise ValueError(f"idx must lie in [0, E={E}), got values in [{lo}, {hi}]")
+
+
+def _check(x, idx, w, experts, bounds: bool) -> bool:
+    """Validate moe's arguments (shapes and dtypes; E, F, r read from b1 and U1); returns whether
+    the experts are low-rank. ``bounds``: also check idx ∈ [0, E) with one aminmax, a host sync
+    on a GPU (see :func:`moe` for when it is done)."""
+    lowrank = _is_lowrank(experts)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, d], got {tuple(x.shape)}")
+    N, d = x.shape
+    if idx.dim() != 2 or idx.shape[0] != N:
+        raise ValueError(f"idx must be [N, K] with N={N} (x's rows), got {tuple(idx.shape)}")
+    if w.shape != idx.shape:
+        raise ValueError(f"w must be [N, K]={tuple(idx.shape)} like idx, got {tuple(w.shape)}")
+    if not x.is_floating_point() or not w.is_floating_point() or idx.dtype not in _INT_DTYPES:
+        raise TypeError(f"x and w must be floating and idx integer, got x {x.dtype}, w {w.dtype}, "
+                        f"idx {idx.dtype}")
+    b1, U1 = experts["b1"], experts.get("U1")
+    if b1.dim() != 2:
+        raise ValueError(f"experts['b1'] must be [E, F], got {tuple(b1.shape)}")
+    (E, F), r = b1.shape, (U1.shape[-1] if lowrank and U1.dim() == 3 else None)
+    dims = dict(E=E, d=d, F=F, r=r)
+    for k in LOWRANK_KEYS if lowrank else DENSE_KEYS:
+        t, want = experts[k], tuple(dims[c] for c in _LAYOUT[k].strip("[]").split(", "))
+        if tuple(t.shape) != want:
+            raise ValueError(f"experts[{k!r}] must be {_LAYOUT[k]}={want} (E, F from b1, d from x"
+                             f"{', r from U1' if lowrank else ''}), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"experts[{k!r}] must be floating, got {t.dtype}")
+    if bounds and idx.numel():
+        _check_range(*torch.stack(torch.aminmax(idx)).tolist(), E)
+    return lowrank
+
+
 # ----------------------------------------------------------------------------- reference
 def _expert(m: torch.Tensor, e: int, ex: dict, lowrank: bool) -> torch.Tensor:
     """f_e(m) for rows m [M, d] → [M, d], straight from the definition."""
@@ -47,7 +89,7 @@ def _expert(m: torch.Tensor, e: int, ex: dict, lowrank: bool) -> torch.Tensor:
 def moe_reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                   experts: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-token fp32 loop: y[n] = Σ_k w[n,k] f_{idx[n,k]}(x[n]); x [N, d] → [N, d] in x's dtype."""
-    lowrank = _is_lowrank(experts)
+    lowrank = _check(x, idx, w, experts, bounds=True)  # the loop syncs per element anyway
     ex = {k: v.float() for k, v in experts.items()}
     x32, w32 = x.float(), w.float()
     rows = []
@@ -75,7 +117,11 @@ def moe_torch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tok = order // K
-    counts = torch.bincount(flat, minlength=E).tolist()
+    counts = [0] * E
+    if flat.numel():  # idx ∈ [0, E) checked in this path's one host sync, the counts' .tolist()
+        lo, hi, *counts = torch.cat([torch.stack(torch.aminmax(flat)),
+                                     torch.bincount(flat.clamp(0, E - 1), minlength=E)]).tolist()
+        _check_range(lo, hi, E)
     wd = w.to(x.dtype)
     xs = x.index_select(0, tok).split(counts)
     gs = wd.reshape(-1)[order].unsqueeze(1).split(counts)
@@ -490,6 +536,7 @@ class _LowRankMoE(torch.autograd.Function):
         return _sum_slots(ys, N, K, x.dtype)
 
     @staticmethod
+    @_backend.first_order_only
     def backward(ctx, dy):
         x, w, g, a1, a2, V1, U1, b1, s1, V2, U2, b2, s2 = ctx.saved_tensors
         rt, K = ctx.rt, ctx.K
@@ -543,6 +590,7 @@ class _DenseExperts(torch.autograd.Function):
         return fs.view(N, K, d)
 
     @staticmethod
+    @_backend.first_order_only
     def backward(ctx, df):
         x, z, W1, b1, W2, b2 = ctx.saved_tensors
         rt = ctx.rt
@@ -574,6 +622,8 @@ class _DenseExperts(torch.autograd.Function):
 def moe_triton(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                experts: dict[str, torch.Tensor]) -> torch.Tensor:
     """Triton MoE: x [N, d], idx [N, K], w [N, K] → [N, d] in x's dtype (fp32 accumulation)."""
+    if x.dtype not in _TL_DTYPES:
+        raise TypeError(f"the Triton MoE takes fp32/fp16/bf16 x, got {x.dtype}")
     if x.shape[0] == 0 or idx.shape[1] == 0:
         return moe_torch(x, idx, w, experts)
     x, idx = x.contiguous(), idx.contiguous()
@@ -590,11 +640,24 @@ def moe_triton(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
 # ----------------------------------------------------------------------------- public
 def moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: dict[str, torch.Tensor],
         backend: str = "auto") -> torch.Tensor:
-    """Sparse MoE: x [N, d], idx [N, K] int64, w [N, K] → y [N, d] in x's dtype."""
+    """Sparse MoE: y[n] = Σ_k w[n,k] f_{idx[n,k]}(x[n]) → y [N, d] in x's dtype.
+
+    x [N, d] floating (fp32/fp16/bf16 on the Triton path, which raises TypeError otherwise);
+    idx [N, K] any integer dtype, expert ids in [0, E); w [N, K] floating; experts: the low-rank
+    or dense dict of the module docstring, any floating dtype, every shape consistent with E and
+    F (from b1), d (from x) and r (from U1). Raises ValueError naming the argument on a bad shape
+    or id, TypeError on a bad dtype, KeyError on missing expert keys.
+
+    The id range is checked by the reference and torch paths, and by the Triton path only for CPU
+    ids (the interpreter): on a GPU that path never syncs with the host (its routing is built on
+    the device) and a check would add a sync per call, so ids outside [0, E) are undefined there.
+    """
     which = _backend.pick(backend, x)
-    idx = idx.long()
     if which == "reference":
         return moe_reference(x, idx, w, experts)
+    # torch: the range check is folded into moe_torch's own host sync (its per-expert counts)
+    _check(x, idx, w, experts, bounds=which == "triton" and idx.device.type == "cpu")
+    idx = idx.long()
     if which == "torch":
         return moe_torch(x, idx, w, experts)
     return moe_triton(x, idx, w, experts)
