@@ -255,3 +255,19 @@ def test_bad_state_shape():
     with pytest.raises(ValueError):
         linear_attention(q, q, q, torch.ones(2) / 2, OMEGAS,
                          state=(torch.zeros(1, 2, 2, 8, 8), torch.zeros(1, 2, 2, 9)))
+
+
+@pytest.mark.parametrize("path", ["torch", "triton", "reference"])
+def test_bad_decay_and_dtype(path):
+    """A decay outside (0, 1] (the torch path gave NaN for 0), a list instead of a tensor, and
+    integer q/k/v are errors on every path."""
+    q = torch.randn(1, 3, 2, 16)
+    w = torch.ones(2) / 2
+    cases = [({"decay": torch.tensor([0.9, 0.0])}, ValueError, r"decay must lie in \(0, 1\]"),
+             ({"decay": torch.tensor([0.9, 1.5])}, ValueError, r"decay must lie in \(0, 1\]"),
+             ({"decay": [0.9, 0.9]}, ValueError, r"decay must be None or an \[H\]=2 tensor"),
+             ({"q": q.long()}, TypeError, "q, k, v must be floating")]
+    for kw, err, msg in cases:
+        args = {"q": q, **kw}
+        with pytest.raises(err, match=msg):
+            linear_attention(args.pop("q"), q, q, w, OMEGAS, backend=path, **args)

@@ -38,8 +38,12 @@ def _check(q, k, v, level_weights, omegas, decay, state):
         raise ValueError(f"need T >= 1 and at least one level; got T={T}, {Lv} levels")
     if level_weights.shape != (Lv,):
         raise ValueError(f"level_weights must be [Lv]={Lv}, got {tuple(level_weights.shape)}")
-    if decay is not None and decay.shape != (H,):
-        raise ValueError(f"decay must be None or [H]={H}, got {tuple(decay.shape)}")
+    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
+        raise TypeError(f"q, k, v must be floating, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if decay is not None and (not torch.is_tensor(decay) or decay.shape != (H,)):
+        raise ValueError(f"decay must be None or an [H]={H} tensor, got {getattr(decay, 'shape', decay)}")
+    if decay is not None and not decay.is_cuda and not bool(((decay > 0) & (decay <= 1)).all()):
+        raise ValueError(f"decay must lie in (0, 1], got {decay.tolist()}")  # checked where it costs no device sync
     if state is not None:
         S, z = state
         if S.shape != (B, Lv, H, D, D) or z.shape != (B, Lv, H, D):
