@@ -304,3 +304,18 @@ def test_provenance_reads_the_gpu_name_once(monkeypatch):
         assert common.provenance("cuda")["device"] == common.provenance("cuda")["device"] == "NVIDIA H200"
     finally:
         common.cuda_name.cache_clear()
+
+
+def test_speeds_are_interleaved_and_ratios_taken_round_by_round(monkeypatch):
+    a, b = L.Recipe(batch_size=1), L.Recipe(batch_size=2)
+    calls, clock = [], iter([100.0, 50.0, 200.0, 90.0, 100.0, 60.0])  # the machine slows, then recovers
+
+    def fake(recipe, **kw):
+        calls.append(recipe.batch_size)
+        return {"tok_s": next(clock)}
+
+    monkeypatch.setattr(L, "measure_speed", fake)
+    speeds = L.measure_speeds([a, b, a], rounds=3)
+    assert calls == [1, 2, 1, 2, 1, 2] and speeds == {a: [100.0, 200.0, 100.0], b: [50.0, 90.0, 60.0]}
+    s = L.speedup(speeds, b, a)
+    assert s == pytest.approx({"median": 0.5, "low": 0.45, "high": 0.6})

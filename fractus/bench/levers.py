@@ -171,6 +171,25 @@ def measure_speed(recipe: Recipe, min_tokens: int = 4096, min_steps: int = 3, wa
     return {"tok_s": r["tok_s"], "step_s": r["step_s"], "steps_timed": steps, "params": r["params"]}
 
 
+def measure_speeds(recipes, rounds: int = 3, **kw) -> dict[Recipe, list[float]]:
+    """tok/s of each recipe in ``rounds`` interleaved rounds (:func:`measure_speed`, ``kw``):
+    every recipe once per round, so a drift of the machine reaches all of them alike and a
+    ratio can be taken round by round (:func:`speedup`)."""
+    recipes = list(dict.fromkeys(recipes))
+    out = {r: [] for r in recipes}
+    for _ in range(rounds):
+        for r in recipes:
+            out[r].append(measure_speed(r, **kw)["tok_s"])
+    return out
+
+
+def speedup(tok_s: dict[Recipe, list[float]], new: Recipe, old: Recipe) -> dict:
+    """``new``'s tok/s over ``old``'s, round by round: the median ratio and the lowest and
+    highest (the spread a single measurement would hide)."""
+    ratios = np.asarray(tok_s[new]) / np.asarray(tok_s[old])
+    return {"median": float(np.median(ratios)), "low": float(ratios.min()), "high": float(ratios.max())}
+
+
 def compile_effect(recipe: Recipe, min_tokens: int = 4096, min_steps: int = 3) -> dict:
     """torch.compile on ``recipe`` (CPU): eager tok/s, then one compiled model that first checks
     it computes the same loss as the eager model on a batch (relative difference), then is
