@@ -319,3 +319,11 @@ def test_speeds_are_interleaved_and_ratios_taken_round_by_round(monkeypatch):
     assert calls == [1, 2, 1, 2, 1, 2] and speeds == {a: [100.0, 200.0, 100.0], b: [50.0, 90.0, 60.0]}
     s = L.speedup(speeds, b, a)
     assert s == pytest.approx({"median": 0.5, "low": 0.45, "high": 0.6})
+
+
+def test_clock_launch_counts_per_path():
+    cfg = FractusConfig.preset("palier0")
+    n = P.clock_ops(cfg)
+    more = P.clock_ops(FractusConfig.preset("palier0", kuramoto_steps=2 * cfg.kuramoto_steps))
+    assert 2 <= n["triton"] < n["torch"] < n["reference"], n
+    assert more["triton"] == n["triton"] and more["reference"] > n["reference"] and more["torch"] > n["torch"]

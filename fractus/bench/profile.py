@@ -270,6 +270,29 @@ def gpu_launch_count(recipe: Recipe) -> int:
     return int(aten) + len(launches)
 
 
+def clock_ops(cfg, rows: int = 256) -> dict[str, int]:
+    """Kernel launches of one block's Kuramoto clock, forward + backward, on [rows, N] phases:
+    as plain autograd (the reference), on the fused PyTorch path (hand-written RK4 backward) and
+    on the Triton path (its ATen ops plus its kernels, captured on CPU instead of run)."""
+    from fractus.bench import aot
+    from fractus.kernels import backend as B
+    from fractus.kernels import kuramoto as K
+
+    def count(backend: str) -> int:
+        g = torch.Generator().manual_seed(0)
+        args = [torch.randn(s, generator=g).requires_grad_()
+                for s in ((rows, cfg.n_oscillators), (cfg.n_oscillators,), (cfg.n_oscillators, cfg.coupling_rank),
+                          (cfg.coupling_rank,))]
+        launches = []
+        with aot.capture(K, "kuramoto", torch.float32, launches), aot.triton_on_cpu(B), _quiet_native_stderr():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                psi = K.kuramoto_phase(*args, cfg.kuramoto_dt, cfg.kuramoto_steps, cfg.kuramoto_damping,
+                                       backend=backend)
+                psi.sum().backward()
+        return launched_ops(prof.events()) + len(launches)
+    return {backend: count(backend) for backend in ("reference", "torch", "triton")}
+
+
 def breakdown_rows(name: str, recipe: Recipe, iters: int = 5, prof_iters: int = 3,
                    device: str = "cpu", bf16: bool = False) -> list[dict]:
     """Rows {config, table, component, ms, pct} of both tables for one configuration: phases

@@ -33,15 +33,17 @@ def gpu_csv(name: str) -> pd.DataFrame | None:
 
 def aot_summary(path: str | Path = REPO / "results" / "aot_sm90.csv"):
     """``python -m fractus.bench aot``'s rows; per (op, kernel, dtype) of the ops' own rows: the
-    configs compiled, the matrix instructions, max registers, min/max spill bytes and max shared
-    memory (KiB); per preset (rows ``model[preset]``): the launches of its bf16 training and
-    decode steps, their distinct kernels, the compile seconds they added after the ops' (a
-    specialisation compiled before is a cache hit), the most spill bytes of its bf16 kernels and
-    of its fp32 ones (the Kuramoto clock runs in fp32 under autocast), the most shared memory."""
+    configs compiled, the matrix instructions (each one its configs use, "/"-joined), max
+    registers, min/max spill bytes and max shared memory (KiB); per preset (rows
+    ``model[preset]``): the launches of its bf16 training and decode steps, their distinct
+    kernels, the compile seconds they added after the ops' (a specialisation compiled before is a
+    cache hit), the most spill bytes of its bf16 kernels and of its fp32 ones (the Kuramoto clock
+    runs in fp32 under autocast), the most shared memory."""
     rows = pd.read_csv(path)
     is_model = rows["op"].str.startswith("model[")
     kernels = (rows[~is_model].groupby(["op", "kernel", "dtype"])
-               .agg(configs=("num_warps", "size"), mma=("mma", "first"), registers=("registers", "max"),
+               .agg(configs=("num_warps", "size"), mma=("mma", lambda m: "/".join(sorted(set(m.astype(str))))),
+                    registers=("registers", "max"),
                     spill_min_B=("spill_store_bytes", "min"), spill_max_B=("spill_store_bytes", "max"),
                     smem_KiB=("shared_bytes", lambda s: s.max() / 1024))
                .reset_index())
