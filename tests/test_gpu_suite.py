@@ -1,5 +1,8 @@
 """The GPU suite's dry run: the same code paths on CPU at tiny sizes (kernels interpreted)."""
 import json
+import re
+import tomllib
+from pathlib import Path
 
 import pandas as pd
 
@@ -112,3 +115,14 @@ def test_nvidia_driver_version_from_nvidia_smi(tmp_path, monkeypatch):
     smi.write_text("#!/bin/sh\necho 580.159.03\n")
     smi.chmod(0o755)
     assert nvidia_driver() == "580.159.03"
+
+
+def test_gpu_wheels_carry_the_bench_baselines_and_the_pinned_runtime_dependencies():
+    """The GPU machine has no network: every pinned pure-Python dependency and every baseline
+    must be among the wheels `make gpu-wheels` downloads."""
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    pinned = {d for d in project["dependencies"] if re.fullmatch(r"[\w.-]+==[\w.]+", d)}
+    pinned |= set(project["optional-dependencies"]["bench"])
+    wheels = set(re.search(r"^GPU_WHEELS \?= (.+)$", (root / "Makefile").read_text(), re.M).group(1).split())
+    assert pinned <= wheels, pinned - wheels
