@@ -106,3 +106,34 @@ def test_fla_launches_are_captured_and_compile_for_sm90():
     captured, compiled, *names = r.stdout.split()
     assert int(captured) == int(compiled) > 0
     assert any("fwd" in n for n in names) and any("bwd" in n for n in names), names
+
+
+def test_distinct_compiles_drops_only_launches_that_compile_alike(tmp_path):
+    """Precompile compiles each binary once: repeats of a launch (a preset's layers) are dropped;
+    a constexpr, an argument's dtype, an integer's divisibility by 16 or a config keeps it apart.
+    (Real JIT functions, as in precompile's workers: a subprocess without the interpreter.)"""
+    script = tmp_path / "distinct.py"
+    script.write_text("""
+import torch
+import triton
+import triton.language as tl
+from fractus.bench import aot
+
+@triton.jit
+def toy_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32))
+
+def launch(x, n, block, warps=4):
+    return aot.Launch("toy", "float32", "toy_kernel", toy_kernel, (x, n), {}), toy_kernel, \\
+        {"BLOCK": block, "num_warps": warps}
+x = torch.zeros(64)
+compiles = [launch(x, 32, 16), launch(torch.zeros(128), 48, 16),  # alike: same dtype, n % 16 == 0
+            launch(x, 33, 16), launch(x, 32, 32), launch(x.half(), 32, 16), launch(x, 32, 16, warps=8),
+            launch(x, 1, 16)]
+kept = list(aot.distinct_compiles(compiles))
+print([i for i, c in enumerate(compiles) if not any(c[0] is k[0] for k in kept)])
+""")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.split("\n")[-2] == "[1]", r.stdout

@@ -195,14 +195,19 @@ def test_attribute_counts_cuda_backward_on_autograd_thread():
     """On CUDA the backward's kernels run on autograd's device thread, outside the backward range."""
     from types import SimpleNamespace as Ev
 
-    def ev(name, thread, dev_self, dev_total=None, parent=None):
+    from torch.autograd import DeviceType
+
+    def ev(name, thread, dev_self, dev_total=None, parent=None, device_type=DeviceType.CPU):
         return Ev(name=name, thread=thread, cpu_parent=parent, self_device_time_total=dev_self * 1e3,
                   device_time_total=(dev_total if dev_total is not None else dev_self) * 1e3,
-                  self_cpu_time_total=0.0, cpu_time_total=0.0)
+                  self_cpu_time_total=0.0, cpu_time_total=0.0, device_type=device_type)
     fwd = ev(P._MARK + "forward", 1, 0.0, 5.0)
     events = [fwd, ev("attention", 1, 5.0, parent=fwd), ev(P._MARK + "backward", 1, 0.0, 0.5),
               ev("autograd::engine::evaluate_function: MmBackward0", 2, 7.0),
-              ev(P._MARK + "optimizer", 1, 0.0, 1.0)]
+              ev(P._MARK + "optimizer", 1, 0.0, 1.0),
+              # the kernels' own events (a stream for a thread): their time is in their ops' already
+              ev("_la_out_kernel", 7, 5.0, device_type=DeviceType.CUDA),
+              ev("sm90_xmma_gemm_bf16", 7, 7.0, device_type=DeviceType.CUDA)]
     out = P.attribute(events, device_time=True)
     assert out["forward"] == 5.0 and out["attention"] == 5.0
     assert out["backward"] == 7.5 and out["optimizer"] == 1.0

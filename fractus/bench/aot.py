@@ -329,14 +329,41 @@ def _specialisations(kernel, args, kwargs, all_configs):
         yield kernel, kwargs
 
 
+def _arg_key(a):
+    """What Triton specialises a non-constexpr argument on (as far as the cache is concerned): a
+    tensor's dtype and 16-byte alignment, an integer's width, being 1 and divisibility by 16."""
+    if isinstance(a, torch.Tensor):
+        return ("tensor", a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, int) and not isinstance(a, bool):
+        return ("int", abs(a) >= 2**31, a == 1, a % 16 == 0)
+    return ("value", type(a).__name__, a if isinstance(a, (bool, str, type(None))) else None)
+
+
+def distinct_compiles(compiles):
+    """``compiles`` (launch, JIT function, keyword arguments) without the repeats that would
+    compile to the same binary (e.g. a preset's layers launching one kernel at one shape):
+    constexprs and compile options by value, the other arguments by :func:`_arg_key`."""
+    seen = set()
+    for L, fn, kw in compiles:
+        params = {p.name: p for p in fn.params}
+        exact = lambda name: name not in params or params[name].is_constexpr  # noqa: E731
+        key = (id(fn),
+               tuple(repr(a) if p.is_constexpr else _arg_key(a) for p, a in zip(fn.params, L.args)),
+               tuple(sorted((k, repr(v) if exact(k) else _arg_key(v)) for k, v in kw.items())))
+        if key not in seen:
+            seen.add(key)
+            yield L, fn, kw
+
+
 def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, baselines=()) -> dict:
-    """Compile every ``workers``-th (launch, config) pair from ``shard`` on, for this machine's
-    GPU (or offline for sm_``arch``), into Triton's on-disk cache."""
+    """Compile every ``workers``-th distinct (launch, config) pair from ``shard`` on, for this
+    machine's GPU (or offline for sm_``arch``), into Triton's on-disk cache."""
     from triton.runtime.driver import driver
     if arch is not None:
         driver.set_active(_offline_driver(arch))
     t0, done, failed = time.perf_counter(), 0, []
-    for L, fn, kw in list(_compiles(launches(ops, presets=presets, baselines=baselines)))[shard::workers]:
+    pairs = list(distinct_compiles(_compiles(launches(ops, presets=presets, baselines=baselines))))
+    for L, fn, kw in pairs[shard::workers]:
         try:
             fn.warmup(*L.args, grid=(1,), **kw)
             done += 1

@@ -133,7 +133,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
             row.update({f"rel_err_{n}": common.rel_err(x, y) for n, x, y in
                         zip(("loss", "dh", "dw"), _fwd_bwd(fn, h, w, t), truth)})
             if device == "cuda":
-                row["peak_bytes"] = common.cuda_peak_bytes(thunk)
+                row["peak_bytes"] = common.cuda_peak_bytes(thunk, leaves=(h, w))
             rows.append(row)
         except ImportError as exc:
             rows.append(dict(**meta, impl=impl, note=f"not installed ({exc})"))

@@ -24,11 +24,13 @@ import csv
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -100,6 +102,9 @@ def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[
                 rows.append({"preset": preset, "batch_size": b, "chunk_len": chunk, "error": "out of memory"})
                 torch.cuda.empty_cache()
                 break
+            except Exception as e:  # recorded: the sweep's other configurations (the 1b target last) still run
+                rows.append({"preset": preset, "batch_size": b, "chunk_len": chunk,
+                             "error": f"{type(e).__name__}: {e}"[:300]})
     return rows
 
 
@@ -290,14 +295,18 @@ def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
             continue
         try:
             rows = fns[name]()
-            if device.type == "cuda":  # errors of its last kernels surface here, in their stage
-                torch.cuda.synchronize(device)
-            if rows:
+            if rows:  # written first: a failure surfacing at the synchronize below keeps them
                 write_csv(out / f"{name}.csv", rows, device)
                 tables[name] = pd.DataFrame(rows)
+            if device.type == "cuda":  # errors of its last kernels surface here, in their stage
+                torch.cuda.synchronize(device)
             print(f"[{time.time() - t_start:6.1f}s] {name}: {len(rows)} rows ({time.time() - t0:.1f}s)")
             if device.type == "cuda":  # its cached blocks back to the device: a fresh process may need them
                 torch.cuda.empty_cache()
+        except Stopped as e:  # SIGTERM (an outer time limit): this stage and the rest are recorded, not run
+            failures += [{"stage": n, "error": f"stopped: {e}", "trace": ""} for n in names[i:]]
+            print(f"[{time.time() - t_start:6.1f}s] {name}: stopped ({e}); no further stage runs")
+            break
         except Exception as e:  # a failing stage is recorded and the suite goes on
             failures.append({"stage": name, "error": f"{type(e).__name__}: {e}",
                              "trace": traceback.format_exc(limit=3)})
@@ -314,6 +323,24 @@ def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
 RESULT_FILE = ".stages.json"  # what a fresh process of run_stages hands back
 LAST_STAGE_S = 60  # what a stage started just before the budget ran out may take (the README's
 # device command stops the suite 80 s after its --budget-s)
+STOP_GRACE_S = 15  # a fresh process told to stop (SIGTERM) has this long to hand back its results
+
+
+class Stopped(BaseException):
+    """SIGTERM received (``timeout``'s signal): the running stage stops, the results so far are
+    written. A BaseException, so that the stages' own ``except Exception`` do not swallow it."""
+
+
+@contextmanager
+def stop_on_sigterm():
+    """Turn SIGTERM into :class:`Stopped` inside the block (main thread only)."""
+    def stop(signum, frame):
+        raise Stopped(f"signal {signal.Signals(signum).name}")
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_in_fresh_process(out: Path, names: list[str], dry_run: bool, t_start: float,
@@ -326,10 +353,18 @@ def _run_in_fresh_process(out: Path, names: list[str], dry_run: bool, t_start: f
     if budget_s is not None:  # it must end before an outer limit stops this process and leaves it running
         cmd += ["--budget-s", repr(budget_s)]
         timeout = max(t_start + budget_s + LAST_STAGE_S - time.time(), 1.0)
+    proc = subprocess.Popen(cmd)
     try:
-        ended = f"exited with code {subprocess.run(cmd, timeout=timeout).returncode}"
-    except subprocess.TimeoutExpired:
-        ended = f"was stopped after {timeout:.0f} s (the time budget)"
+        ended = f"exited with code {proc.wait(timeout=timeout)}"
+    except (subprocess.TimeoutExpired, Stopped) as e:  # told to stop, it hands back what it has
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        ended = (f"was stopped after {timeout:.0f} s (the time budget)" if isinstance(e, subprocess.TimeoutExpired)
+                 else f"was stopped ({e})")
     if result.exists():
         done = json.loads(result.read_text())
         result.unlink()
@@ -342,7 +377,8 @@ def _run_in_fresh_process(out: Path, names: list[str], dry_run: bool, t_start: f
 
 def resume_stages(out: Path, names: list[str], dry_run: bool, t_start: float, budget_s: float | None) -> None:
     """The fresh process's side of :func:`run_stages`: run ``names``, hand back what they gave."""
-    tables, failures = run_stages(out, names, dry_run, t_start, budget_s)
+    with stop_on_sigterm():
+        tables, failures = run_stages(out, names, dry_run, t_start, budget_s)
     (out / RESULT_FILE).write_text(json.dumps({"stages": list(tables), "failures": failures}))
 
 
@@ -360,7 +396,8 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     prov["baselines"] = baseline_versions()
     (out / "provenance.json").write_text(json.dumps(prov, indent=1))
     print("provenance:", prov)
-    tables, failures = run_stages(out, list(_stage_fns(out, device, dry_run)), dry_run, t_start, budget_s)
+    with stop_on_sigterm():
+        tables, failures = run_stages(out, list(_stage_fns(out, device, dry_run)), dry_run, t_start, budget_s)
     tables["targets"] = pd.DataFrame(target_rows(tables))
     write_csv(out / "targets.csv", tables["targets"].to_dict("records"), device)
     if failures:

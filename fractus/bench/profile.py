@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fractus.bench.levers import Recipe
@@ -130,9 +131,10 @@ def attribute(events, device_time: bool = False) -> dict[str, float]:
             ranges[e.name[len(_MARK):]] += total_t(e)
         if inside_forward(e):
             out[_component(e)] += self_t(e)
-        elif device_time and e.thread not in marking:
-            # CUDA tensors' backward runs on autograd's device thread, so its kernels are not
-            # children of the backward range (the profiler nests events per thread)
+        elif device_time and e.device_type == DeviceType.CPU and e.thread not in marking:
+            # CUDA tensors' backward runs on autograd's device thread, so its ops are not children
+            # of the backward range (the profiler nests events per thread); the kernels' own events
+            # (device_type CUDA, a stream for a thread) are already in their ops' device time
             ranges["backward"] += self_t(e)
     return {**out, **ranges}
 
