@@ -312,18 +312,23 @@ def test_provenance_reads_the_gpu_name_once(monkeypatch):
 
 
 def test_speeds_are_interleaved_and_ratios_taken_round_by_round(monkeypatch):
-    a, b = L.Recipe(batch_size=1), L.Recipe(batch_size=2)
-    calls, clock = [], iter([100.0, 50.0, 200.0, 90.0, 100.0, 60.0])  # the machine slows, then recovers
+    a, b, c = L.Recipe(batch_size=1), L.Recipe(batch_size=2), L.Recipe(batch_size=4)
+    calls = []
 
-    def fake(recipe, **kw):
+    def fake(recipe, **kw):  # the machine halves its speed every round; b is 0.5 × a, c 2 × a
         calls.append(recipe.batch_size)
-        return {"tok_s": next(clock)}
+        rnd = (len(calls) - 1) // 3
+        return {"tok_s": 100.0 * recipe.batch_size / 2 ** rnd * (0.25 if recipe.batch_size == 2 else 1)}
 
     monkeypatch.setattr(L, "measure_speed", fake)
-    speeds = L.measure_speeds([a, b, a], rounds=3)
-    assert calls == [1, 2, 1, 2, 1, 2] and speeds == {a: [100.0, 200.0, 100.0], b: [50.0, 90.0, 60.0]}
-    s = L.speedup(speeds, b, a)
-    assert s == pytest.approx({"median": 0.5, "low": 0.45, "high": 0.6})
+    speeds = L.measure_speeds([a, b, a, c], rounds=4)
+    rounds = [calls[i:i + 3] for i in range(0, 12, 3)]
+    assert all(sorted(r) == [1, 2, 4] for r in rounds) and len({tuple(r) for r in rounds}) > 1  # shuffled
+    assert speeds[a] == [100.0, 50.0, 25.0, 12.5] and speeds[b] == [50.0, 25.0, 12.5, 6.25]
+    assert L.speedup(speeds, b, a) == pytest.approx({"median": 0.5, "low": 0.5, "high": 0.5})
+    assert L.speedup(speeds, c, a)["median"] == pytest.approx(4.0)
+    rows = L.rounds_rows(speeds, {a: "a", b: "b", c: "c"})
+    assert len(rows) == 12 and rows[1] == {"recipe": "a", "round": 1, "tok_s": 50.0}
 
 
 def test_clock_launch_counts_per_path():

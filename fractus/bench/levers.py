@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -171,16 +172,23 @@ def measure_speed(recipe: Recipe, min_tokens: int = 4096, min_steps: int = 3, wa
     return {"tok_s": r["tok_s"], "step_s": r["step_s"], "steps_timed": steps, "params": r["params"]}
 
 
-def measure_speeds(recipes, rounds: int = 3, **kw) -> dict[Recipe, list[float]]:
+def measure_speeds(recipes, rounds: int = 3, seed: int = 0, **kw) -> dict[Recipe, list[float]]:
     """tok/s of each recipe in ``rounds`` interleaved rounds (:func:`measure_speed`, ``kw``):
-    every recipe once per round, so a drift of the machine reaches all of them alike and a
-    ratio can be taken round by round (:func:`speedup`)."""
+    every recipe once per round, in an order shuffled per round (none always first, as after a
+    cold start), so a drift of the machine reaches all of them alike and a ratio can be taken
+    round by round (:func:`speedup`). ``out[recipe][i]`` is round i's."""
     recipes = list(dict.fromkeys(recipes))
     out = {r: [] for r in recipes}
+    rng = random.Random(seed)
     for _ in range(rounds):
-        for r in recipes:
+        for r in rng.sample(recipes, len(recipes)):
             out[r].append(measure_speed(r, **kw)["tok_s"])
     return out
+
+
+def rounds_rows(tok_s: dict[Recipe, list[float]], names: dict[Recipe, str]) -> list[dict]:
+    """The raw rounds as rows {name, round, tok_s} (for a CSV beside the table they make)."""
+    return [{"recipe": names[r], "round": i, "tok_s": t} for r, ts in tok_s.items() for i, t in enumerate(ts)]
 
 
 def speedup(tok_s: dict[Recipe, list[float]], new: Recipe, old: Recipe) -> dict:
