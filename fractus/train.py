@@ -233,10 +233,12 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Stop:
-    """Set by SIGINT/SIGTERM: the trainer finishes its step, saves and exits."""
+    """Set by SIGINT/SIGTERM: the trainer finishes its step, saves and exits. A SIGTERM that a
+    caller's own Python handler was waiting for (e.g. the GPU suite's) is handed on to it then."""
 
     def __init__(self):
         self.requested = False
+        self.signum = None
         self._old = {}
 
     def __enter__(self):
@@ -245,11 +247,14 @@ class Stop:
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self.requested, self.signum = True, signum
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
             signal.signal(s, h)
+        old = self._old.get(self.signum)
+        if self.signum == signal.SIGTERM and callable(old):
+            old(self.signum, None)
 
 
 def setup_distributed(device: str):

@@ -73,7 +73,7 @@ def test_gpu_suite_runs_the_rest_in_a_fresh_process_after_cuda_context_loss(tmp_
     def illegal_address(device, dry_run):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(gpu, "generation_rows", illegal_address)
-    monkeypatch.setattr(gpu, "_context_lost", lambda device: True)
+    monkeypatch.setattr(gpu, "cuda_context_lost", lambda device: True)
     names = ["correctness_kuramoto", "generation", "timing_kuramoto", "generation"]
     tables, failures = gpu.run_stages(tmp_path, names, dry_run=True, t_start=time.time())
     assert [f["stage"] for f in failures] == ["generation"] and "illegal memory access" in failures[0]["error"]
@@ -88,7 +88,7 @@ def test_gpu_suite_records_stages_whose_fresh_process_died(tmp_path, monkeypatch
 
     from fractus.bench import gpu
     monkeypatch.setattr(gpu, "generation_rows", lambda device, dry_run: 1 / 0)
-    monkeypatch.setattr(gpu, "_context_lost", lambda device: True)
+    monkeypatch.setattr(gpu, "cuda_context_lost", lambda device: True)
     monkeypatch.setattr(gpu.sys, "executable", shutil.which("false"))  # the fresh process exits at once
     tables, failures = gpu.run_stages(tmp_path, ["generation", "levers", "profile"], True, time.time())
     assert tables == {} and [f["stage"] for f in failures] == ["generation", "levers", "profile"]
@@ -100,7 +100,7 @@ def test_gpu_suite_stops_a_fresh_process_that_outlives_the_budget(tmp_path, monk
 
     from fractus.bench import gpu
     monkeypatch.setattr(gpu, "generation_rows", lambda device, dry_run: 1 / 0)
-    monkeypatch.setattr(gpu, "_context_lost", lambda device: True)
+    monkeypatch.setattr(gpu, "cuda_context_lost", lambda device: True)
     monkeypatch.setattr(gpu, "LAST_STAGE_S", -999.0)  # budget 1000 s: the fresh process gets 1 s
     t0 = time.time()
     tables, failures = gpu.run_stages(tmp_path, ["generation", "levers"], True, t0, budget_s=1000.0)
@@ -126,6 +126,8 @@ def test_sigterm_stops_the_running_stage_and_keeps_what_was_measured(tmp_path, m
     before, t0 = signal.getsignal(signal.SIGTERM), time.time()
     with gpu.stop_on_sigterm():
         tables, failures = gpu.run_stages(tmp_path, ["correctness_kuramoto", "generation", "levers"], True, t0)
+        os.kill(os.getpid(), signal.SIGTERM)  # `timeout` signals the process, then its group: the second is ignored
+        time.sleep(0.2)
     assert time.time() - t0 < 20 and set(tables) == {"correctness_kuramoto"}
     assert (tmp_path / "correctness_kuramoto.csv").exists()
     assert failures == [{"stage": n, "error": "stopped: signal SIGTERM", "trace": ""} for n in ("generation", "levers")]

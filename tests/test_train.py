@@ -114,6 +114,26 @@ def test_sigterm_saves_where_it_stopped(data, tmp_path):
     assert 3 <= step < STEPS and int(metrics(out)[-1]["step"]) == step
 
 
+def test_a_stop_request_reaches_the_sigterm_handler_it_replaced():
+    """Inside a caller with its own SIGTERM handler (the GPU suite's), the trainer finishes and saves,
+    then hands the signal on; SIGINT and the default SIGTERM are not handed on."""
+    from fractus.train import Stop
+    got = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with Stop() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert stop.requested and got == []  # the trainer's step goes on first
+        assert got == [signal.SIGTERM]
+        with Stop() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert stop.requested and got == [signal.SIGTERM]  # no KeyboardInterrupt either
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 KILLED_IN_SAVE = """
 import io, os, signal, sys
 import torch

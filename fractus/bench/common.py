@@ -189,6 +189,19 @@ def cuda_peak_bytes(fn: Callable[[], object], leaves=()) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def cuda_context_lost(device: torch.device | str) -> bool:
+    """Whether CUDA's context is unusable: an illegal address or a device-side assert is sticky,
+    every later CUDA call in the process fails (False off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+        return False
+    except Exception:  # RuntimeError or torch.AcceleratorError, depending on torch's version
+        return True
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value), as in tests/util.py."""
     x, ref = x.detach().double().cpu(), ref.detach().double().cpu()

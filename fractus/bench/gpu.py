@@ -38,7 +38,7 @@ import pandas as pd
 import torch
 
 from fractus.bench import aot, levers, profile
-from fractus.bench.common import check_rows, cuda_name, median_time, provenance, write_csv
+from fractus.bench.common import check_rows, cuda_context_lost, cuda_name, median_time, provenance, write_csv
 from fractus.bench.costmodel import H200_DATASHEET, H200_NVL_BF16_TFLOPS, flops_per_token
 from fractus.bench.train import measure_training
 from fractus.data import prepare, write_toy_corpus
@@ -105,6 +105,8 @@ def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[
             except Exception as e:  # recorded: the sweep's other configurations (the 1b target last) still run
                 rows.append({"preset": preset, "batch_size": b, "chunk_len": chunk,
                              "error": f"{type(e).__name__}: {e}"[:300]})
+                if cuda_context_lost(device):  # every later one would fail too: the stage ends here
+                    return rows
     return rows
 
 
@@ -264,19 +266,6 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
     return fns
 
 
-def _context_lost(device: torch.device) -> bool:
-    """Whether CUDA's context is unusable: an illegal address or a device-side assert is sticky,
-    every later CUDA call in the process fails."""
-    if device.type != "cuda":
-        return False
-    try:
-        torch.cuda.synchronize(device)
-        torch.ones(1, device=device).add_(1).item()
-        return False
-    except Exception:  # RuntimeError or torch.AcceleratorError, depending on torch's version
-        return True
-
-
 def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
                budget_s: float | None = None) -> tuple[dict[str, pd.DataFrame], list[dict]]:
     """Run the stages ``names`` in order, writing each one's ``out/NAME.csv``; none starts after
@@ -287,43 +276,52 @@ def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
     fns = _stage_fns(out, device, dry_run)
     tables, failures = {}, []
     for i, name in enumerate(names):
-        t0 = time.time()
+        t0, n_failures = time.time(), len(failures)
         if budget_s is not None and t0 - t_start > budget_s:
             failures.append({"stage": name, "error": f"skipped: the time budget of {budget_s:.0f} s was spent",
                              "trace": ""})
             print(f"[{t0 - t_start:6.1f}s] {name}: skipped (time budget)")
             continue
         try:
-            rows = fns[name]()
-            if rows:  # written first: a failure surfacing at the synchronize below keeps them
-                write_csv(out / f"{name}.csv", rows, device)
-                tables[name] = pd.DataFrame(rows)
-            if device.type == "cuda":  # errors of its last kernels surface here, in their stage
-                torch.cuda.synchronize(device)
-            print(f"[{time.time() - t_start:6.1f}s] {name}: {len(rows)} rows ({time.time() - t0:.1f}s)")
-            if device.type == "cuda":  # its cached blocks back to the device: a fresh process may need them
-                torch.cuda.empty_cache()
-        except Stopped as e:  # SIGTERM (an outer time limit): this stage and the rest are recorded, not run
-            failures += [{"stage": n, "error": f"stopped: {e}", "trace": ""} for n in names[i:]]
+            if _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s, tables, failures):
+                break
+        except Stopped as e:  # SIGTERM (an outer time limit): this stage (unless it failed) and the rest are listed
+            rest = names[i + 1:] if len(failures) > n_failures else names[i:]
+            failures += [{"stage": n, "error": f"stopped: {e}", "trace": ""} for n in rest]
             print(f"[{time.time() - t_start:6.1f}s] {name}: stopped ({e}); no further stage runs")
             break
-        except Exception as e:  # a failing stage is recorded and the suite goes on
-            failures.append({"stage": name, "error": f"{type(e).__name__}: {e}",
-                             "trace": traceback.format_exc(limit=3)})
-            print(f"[{time.time() - t_start:6.1f}s] {name}: FAILED {type(e).__name__}: {e}")
-            if i + 1 < len(names) and _context_lost(device):
-                print("CUDA's context is lost: the remaining stages run in a fresh process")
-                more, more_failures = _run_in_fresh_process(out, names[i + 1:], dry_run, t_start, budget_s)
-                tables.update(more)
-                failures += more_failures
-                break
     return tables, failures
 
 
+def _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s, tables, failures) -> bool:
+    """One stage of :func:`run_stages` (its rows into ``tables``, a failure into ``failures``);
+    True when the remaining stages ran in a fresh process."""
+    try:
+        rows = fns[name]()
+        if rows:  # written first: a failure surfacing at the synchronize below keeps them
+            write_csv(out / f"{name}.csv", rows, device)
+            tables[name] = pd.DataFrame(rows)
+        if device.type == "cuda":  # errors of its last kernels surface here, in their stage
+            torch.cuda.synchronize(device)
+        print(f"[{time.time() - t_start:6.1f}s] {name}: {len(rows)} rows ({time.time() - t0:.1f}s)")
+        if device.type == "cuda":  # its cached blocks back to the device: a fresh process may need them
+            torch.cuda.empty_cache()
+    except Exception as e:  # a failing stage is recorded and the suite goes on
+        failures.append({"stage": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)})
+        print(f"[{time.time() - t_start:6.1f}s] {name}: FAILED {type(e).__name__}: {e}")
+        if i + 1 < len(names) and cuda_context_lost(device):
+            print("CUDA's context is lost: the remaining stages run in a fresh process")
+            more, more_failures = _run_in_fresh_process(out, names[i + 1:], dry_run, t_start, budget_s)
+            tables.update(more)
+            failures += more_failures
+            return True
+    return False
+
+
 RESULT_FILE = ".stages.json"  # what a fresh process of run_stages hands back
-LAST_STAGE_S = 60  # what a stage started just before the budget ran out may take (the README's
-# device command stops the suite 80 s after its --budget-s)
-STOP_GRACE_S = 15  # a fresh process told to stop (SIGTERM) has this long to hand back its results
+LAST_STAGE_S = 45  # what a stage started just before the budget ran out may take (the README's
+# device command stops the suite 80 s after its --budget-s; the process starts up to ~20 s before t_start)
+STOP_GRACE_S = 10  # a fresh process told to stop (SIGTERM) has this long to hand back its results
 
 
 class Stopped(BaseException):
@@ -333,8 +331,11 @@ class Stopped(BaseException):
 
 @contextmanager
 def stop_on_sigterm():
-    """Turn SIGTERM into :class:`Stopped` inside the block (main thread only)."""
+    """Inside the block, the first SIGTERM raises :class:`Stopped` and later ones are ignored
+    (``timeout`` signals the process and then its group; a stop must not be cut short by a second
+    signal). Main thread only."""
     def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Stopped(f"signal {signal.Signals(signum).name}")
     previous = signal.signal(signal.SIGTERM, stop)
     try:
@@ -365,10 +366,12 @@ def _run_in_fresh_process(out: Path, names: list[str], dry_run: bool, t_start: f
             proc.wait()
         ended = (f"was stopped after {timeout:.0f} s (the time budget)" if isinstance(e, subprocess.TimeoutExpired)
                  else f"was stopped ({e})")
-    if result.exists():
+    try:  # written whole or not at all (os.replace), but a killed child may leave none
         done = json.loads(result.read_text())
         result.unlink()
         return {n: pd.read_csv(out / f"{n}.csv") for n in done["stages"]}, done["failures"]
+    except (OSError, ValueError):
+        pass
     written = [n for n in names if (out / f"{n}.csv").exists() and (out / f"{n}.csv").stat().st_mtime >= launched]
     return ({n: pd.read_csv(out / f"{n}.csv") for n in written},
             [{"stage": n, "error": f"no result: the fresh process for the stages from {names[0]} {ended}",
@@ -379,7 +382,10 @@ def resume_stages(out: Path, names: list[str], dry_run: bool, t_start: float, bu
     """The fresh process's side of :func:`run_stages`: run ``names``, hand back what they gave."""
     with stop_on_sigterm():
         tables, failures = run_stages(out, names, dry_run, t_start, budget_s)
-    (out / RESULT_FILE).write_text(json.dumps({"stages": list(tables), "failures": failures}))
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what ran is handed back, whatever comes now
+        tmp = out / (RESULT_FILE + ".tmp")
+        tmp.write_text(json.dumps({"stages": list(tables), "failures": failures}))
+        os.replace(tmp, out / RESULT_FILE)
 
 
 def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -> dict[str, pd.DataFrame]:
@@ -398,14 +404,15 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     print("provenance:", prov)
     with stop_on_sigterm():
         tables, failures = run_stages(out, list(_stage_fns(out, device, dry_run)), dry_run, t_start, budget_s)
-    tables["targets"] = pd.DataFrame(target_rows(tables))
-    write_csv(out / "targets.csv", tables["targets"].to_dict("records"), device)
-    if failures:
-        write_csv(out / "failures.csv", failures, device)
-    elif (out / "failures.csv").exists():
-        (out / "failures.csv").unlink()
-    tables["failures"] = pd.DataFrame(failures)
-    print_summary(tables, time.time() - t_start)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the final files are written, whatever comes now
+        tables["targets"] = pd.DataFrame(target_rows(tables))
+        write_csv(out / "targets.csv", tables["targets"].to_dict("records"), device)
+        if failures:
+            write_csv(out / "failures.csv", failures, device)
+        elif (out / "failures.csv").exists():
+            (out / "failures.csv").unlink()
+        tables["failures"] = pd.DataFrame(failures)
+        print_summary(tables, time.time() - t_start)
     return tables
 
 

@@ -269,6 +269,8 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
                     timed[impl] = tm
                 except Exception as exc:  # a baseline failing (OOM, fla on CPU) is recorded
                     row["note"] = f"error: {type(exc).__name__}: {exc}"[:300]
+                    if common.cuda_context_lost(device):  # every later call would fail too
+                        return rows + [row]
                     if device == "cuda":
                         torch.cuda.empty_cache()
                 rows.append(row)

@@ -180,6 +180,8 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
                         row["peak_bytes"] = common.cuda_peak_bytes(thunk, leaves=_params(x, w, ex))
                 except Exception as exc:  # recorded; the other implementations and cases still run
                     row["note"] = f"error: {type(exc).__name__}: {exc}"[:300]
+                    if common.cuda_context_lost(device):  # every later call would fail too
+                        return rows + case_rows + [row]
                     if device == "cuda":
                         torch.cuda.empty_cache()
                 case_rows.append(row)

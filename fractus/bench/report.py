@@ -42,7 +42,7 @@ def aot_summary(path: str | Path = REPO / "results" / "aot_sm90.csv"):
     rows = pd.read_csv(path)
     is_model = rows["op"].str.startswith("model[")
     kernels = (rows[~is_model].groupby(["op", "kernel", "dtype"])
-               .agg(configs=("num_warps", "size"), mma=("mma", lambda m: "/".join(sorted(set(m.astype(str))))),
+               .agg(configs=("num_warps", "size"), mma=("mma", lambda m: "/".join(sorted(set(m.dropna().astype(str))))),
                     registers=("registers", "max"),
                     spill_min_B=("spill_store_bytes", "min"), spill_max_B=("spill_store_bytes", "max"),
                     smem_KiB=("shared_bytes", lambda s: s.max() / 1024))
