@@ -92,9 +92,10 @@ def test_reference_fp32_returns():
     assert S.shape == (2, 2, 2, 16, 16) and z.shape == (2, 2, 2, 16)
 
 
+# every T with and without a state, and with and without a decay; every D
 TRITON_CASES = [(1, 32, False, False), (1, 48, True, True), (17, 48, True, True), (64, 32, True, False),
-                (64, 64, False, True), (100, 64, True, False), (100, 48, False, False),
-                (257, 48, False, True), (257, 64, True, True), (17, 32, False, True)]
+                (64, 64, False, True), (100, 64, True, False), (100, 48, False, True),
+                (257, 48, False, False), (257, 64, True, True), (17, 32, False, False)]
 
 
 @pytest.mark.parametrize("T,D,decay,state", TRITON_CASES)
@@ -103,6 +104,15 @@ def test_triton_vs_reference(T, D, decay, state):
     truth = run(inputs, torch.float64, backend="reference")
     got = run(inputs, torch.float32, backend="triton")
     compare(got, truth, 1e-4, T, state)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_eps_zero(path):
+    """eps = 0 is valid (the features are positive): no 0/0 from the padding rows of a chunk."""
+    inputs = make(2, 20, 2, 32, True, True)
+    truth = run(inputs, torch.float64, backend="reference", eps=0.0)
+    got = run(inputs, torch.float32, backend=path, eps=0.0)
+    compare(got, truth, 1e-4, 20, True)
 
 
 @pytest.fixture
@@ -183,6 +193,23 @@ def test_split_and_resume(path):
     assert_rel(torch.cat([o1, o2], 1), o, 1e-5, "o")
     assert_rel(S2, S, 1e-5, "S")
     assert_rel(z2, z, 1e-5, "z")
+    # the gradients through the carried state (not detached) equal those of the one call
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, w, *st)]
+    gen = torch.Generator().manual_seed(2)
+    dy = [torch.randn(x.shape, generator=gen) for x in (o, S, z)]
+    grads = {}
+    for split in (False, True):
+        qq, kk, vv, ww, S0, z0 = leaves
+        if split:
+            oa, sa = linear_attention(qq[:, :37], kk[:, :37], vv[:, :37], ww, OMEGAS, g, (S0, z0), backend=path)
+            ob, (Sb, zb) = linear_attention(qq[:, 37:], kk[:, 37:], vv[:, 37:], ww, OMEGAS, g, sa, backend=path)
+            outs = (torch.cat([oa, ob], 1), Sb, zb)
+        else:
+            o_, (S_, z_) = linear_attention(qq, kk, vv, ww, OMEGAS, g, (S0, z0), backend=path)
+            outs = (o_, S_, z_)
+        grads[split] = torch.autograd.grad(sum((x * d).sum() for x, d in zip(outs, dy)), leaves)
+    for name, a, b in zip(NAMES[3:], grads[True], grads[False]):
+        assert_rel(a, b, 1e-5, f"{name} across the split")
     state, outs = st, []
     for t in range(6):
         ot, state = linear_attention(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], w, OMEGAS, g, state,

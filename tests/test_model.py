@@ -297,25 +297,31 @@ def test_malicious_checkpoint_is_refused(tmp_path):
 @pytest.mark.parametrize("over", [{}, {"expert_rank": 0, "attn_decay": (0.9, 0.97), "router": "linear"}],
                          ids=["lowrank", "dense-decay-linear"])
 def test_triton_path_equals_torch_path(over):
-    """The whole model on the GPU's path (every Triton kernel, interpreted) vs the CPU path: the loss
-    and every parameter gradient of two chunks with the state carried, then tick-by-tick decode."""
+    """The whole model on the GPU's path (every Triton kernel, interpreted) vs the CPU path: the
+    cross-entropy, the load balance, the routing and every parameter gradient of two chunks with
+    the state carried, then tick-by-tick decode."""
     x = torch.randint(0, 512, (2, 2 * 19 + 1), generator=torch.Generator().manual_seed(0))
     runs = {}
     for backend in ("torch", "triton"):
         torch.manual_seed(0)
         model = FractusCTE(FractusConfig.preset("tiny", backend=backend, **over))
-        losses, state = [], None
+        losses, routing, state = [], [], None
         for c in range(2):  # two chunks of 19: T not a multiple of any block
             _, parts, state = model(x[:, 19 * c:19 * (c + 1)], state, x[:, 19 * c + 1:19 * (c + 1) + 1])
             parts["loss"].backward()
-            losses.append(parts["loss"].detach())
+            losses.append(torch.stack([parts["ce"], parts["lb"]]).detach())
+            routing += parts["routing"]
             state = FractusCTE.detach_state(state)
         with torch.no_grad():
             ticks = [model.step(x[:, t], state)[0] for t in range(3)]
         runs[backend] = (torch.stack(losses), {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
-                         torch.stack(ticks))
-    (l0, g0, t0), (l1, g1, t1) = runs["torch"], runs["triton"]
-    assert_rel(l1, l0, 1e-5, "losses")
+                         torch.stack(ticks), routing)
+    (l0, g0, t0, r0), (l1, g1, t1, r1) = runs["torch"], runs["triton"]
+    assert_rel(l1[:, 0], l0[:, 0], 1e-5, "cross-entropy")
+    assert_rel(l1[:, 1], l0[:, 1], 1e-5, "load balance")  # a term too small to show in the loss
+    for (i1, p1), (i0, p0) in zip(r1, r0):  # the kernels leave the routing as it was
+        assert torch.equal(i1, i0)
+        assert_rel(p1, p0, 1e-5, "routing probabilities")
     assert g1.keys() == g0.keys() and len(g0) > 20
     scale = max(g.norm() for g in g0.values())
     for n in g0:

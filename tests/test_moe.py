@@ -39,10 +39,10 @@ def run(backend, x, idx, w, ex, dy):
     return (y, *torch.autograd.grad(y, [x, w, *ex.values()], dy))
 
 
-def check(backend, N, E, K, lowrank=True, r=16, route="random", tol=1e-4):
-    ex = make_experts(E, r=r, lowrank=lowrank)
-    x, idx, w = make_inputs(N, E, K, route=route)
-    dy = torch.randn(N, D)
+def check(backend, N, E, K, lowrank=True, r=16, route="random", tol=1e-4, d=D, F=FF):
+    ex = make_experts(E, d, F, r=r, lowrank=lowrank)
+    x, idx, w = make_inputs(N, E, K, d, route=route)
+    dy = torch.randn(N, d)
     got = run(backend, x, idx, w, ex, dy)
     ref = run("reference", x, idx, w, ex, dy)
     for name, a, b in zip(["y", "dx", "dw", *ex], got, ref):
@@ -145,17 +145,20 @@ def test_route_tiles_cover_each_row_once(N, E, K):
     assert (seen == 1).all()
 
 
-@pytest.mark.parametrize("N,E,K,r,route", [(13, 7, 2, 16, "random"), (5, 4, 4, 32, "random"),
-                                           (37, 4, 1, 24, "one"), (1, 16, 2, 16, "random")])
-def test_triton_lowrank_matches_reference(N, E, K, r, route):
-    """Odd token counts, several tiles per expert, K = E, r not a power of two, empty
+# d = 47, F = 81: every d- and F-block of the kernels (16 or 32 wide in the interpreter) has a ragged edge
+@pytest.mark.parametrize("N,E,K,r,route,d,F", [(13, 7, 2, 16, "random", 47, 81), (5, 4, 4, 32, "random", D, FF),
+                                               (37, 4, 1, 24, "one", D, FF), (1, 16, 2, 16, "random", D, FF)])
+def test_triton_lowrank_matches_reference(N, E, K, r, route, d, F):
+    """Odd token counts and sizes, several tiles per expert, K = E, r not a power of two, empty
     experts, a single token."""
-    check("triton", N, E, K, r=r, route=route)
+    check("triton", N, E, K, r=r, route=route, d=d, F=F)
 
 
-@pytest.mark.parametrize("N,E,K,route", [(13, 7, 2, "random"), (19, 4, 1, "one")])
-def test_triton_dense_matches_reference(N, E, K, route):
-    check("triton", N, E, K, lowrank=False, route=route)
+@pytest.mark.parametrize("N,E,K,route,d,F", [(13, 7, 2, "random", 47, 81), (19, 4, 1, "one", D, FF),
+                                             (1, 16, 16, "random", D, FF)])
+def test_triton_dense_matches_reference(N, E, K, route, d, F):
+    """Ragged d and F, every token on one expert, a single token routed to all 16 experts."""
+    check("triton", N, E, K, lowrank=False, route=route, d=d, F=F)
 
 
 def test_triton_forward_without_grad(monkeypatch):

@@ -80,11 +80,21 @@ def _offline_driver(arch: int):
     return OfflineDriver()
 
 
+def kernels_of(module) -> dict:
+    """The Triton kernels ``module`` defines, by name (JIT, autotuned and interpreted alike)."""
+    from triton.runtime.jit import KernelInterface
+    return {n: k for n, k in vars(module).items() if isinstance(k, KernelInterface) and "kernel" in n}
+
+
+def kernel_names(op: str) -> set[str]:
+    """The names of ``fractus.kernels.<op>``'s Triton kernels: what a complete capture of the op compiles."""
+    return set(kernels_of(importlib.import_module(f"fractus.kernels.{op}")))
+
+
 @contextmanager
 def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
     """Replace every Triton kernel of ``module`` by a recorder of its launches (nothing runs:
     outputs stay as allocated)."""
-    from triton.runtime.jit import KernelInterface  # JIT, autotuned and interpreted kernels alike
 
     class Recorder:
         def __init__(self, name, kernel):
@@ -94,7 +104,7 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
             return lambda *args, **kwargs: launches.append(
                 Launch(op, str(dtype).replace("torch.", ""), self.name, self.kernel, args, kwargs))
 
-    kernels = {n: k for n, k in vars(module).items() if isinstance(k, KernelInterface) and "kernel" in n}
+    kernels = kernels_of(module)
     try:
         for n, k in kernels.items():
             setattr(module, n, Recorder(n, k))

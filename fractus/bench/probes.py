@@ -133,7 +133,8 @@ def merge_probe(recipe: Recipe, tokens_per_half: int, eval_tokens: int, seed: in
 
     Returns {"rows": [{model, val_ce, val_bpb, relative_distance_to_merge, tokens_seen}] for
     the initialisation, half A, half B and the merge; "merge_vs_mean": the largest absolute
-    difference between fractus.merge's result and :func:`mean_merge` of the two}.
+    difference between fractus.merge's result and :func:`mean_merge` of the two;
+    "unigram_entropy": the validation split's, nats/token}.
     """
     data = shakespeare(recipe.vocab_size)
     meta = load_meta(data)
@@ -166,4 +167,4 @@ def merge_probe(recipe: Recipe, tokens_per_half: int, eval_tokens: int, seed: in
         r = evaluate(m, val, 8, 32, eval_tokens, tb, torch.device("cpu"))
         rows.append({"model": name, "val_ce": r["val_ce"], "val_bpb": r["val_bpb"],
                      "relative_distance_to_merge": dist(m), "tokens_seen": seen})
-    return {"rows": rows, "merge_vs_mean": gap}
+    return {"rows": rows, "merge_vs_mean": gap, "unigram_entropy": meta["val"]["unigram_entropy_nats"]}

@@ -317,7 +317,7 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
         num = tl.dot(qd.to(SDT), S.to(SDT), input_precision=PREC)
         num += tl.dot(A.to(DT), vx, input_precision=PREC)
         den = tl.sum(qd * z[None, :], 1) + tl.sum(A, 1)
-        y = num / (den + eps)[:, None]
+        y = num / (tl.where(tmask, den, 1.0) + eps)[:, None]  # padding rows: 0, not 0/0 when eps = 0
         o += tl.load(w_ptr + l).to(tl.float32) * y
         if STORE_Y:
             tl.store(y_ptr + (l * B + b) * T * H * D + row, y, mask=m2)
@@ -366,7 +366,7 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
         qd = _feature(tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32), om, m2) * gq[:, None]
         do = tl.load(do_ptr + off, mask=m2, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + l * B * T * H * D + off, mask=m2, other=0.0)
-        den = tl.load(den_ptr + n * T + t, mask=tmask, other=0.0)
+        den = tl.load(den_ptr + n * T + t, mask=tmask, other=1.0)  # padding rows: g = 0, not 0/0
         g, gz = _out_grads(do, y, den, wl, eps)
         gL = tl.exp(lg * tl.minimum(T - c * BT, BT).to(tl.float32))
         dS = dS * gL + tl.dot(tl.trans(qd.to(SDT)), g.to(SDT), input_precision=PREC)
@@ -403,7 +403,7 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
         n = (b * LV + l) * H + h
         hoff = n * NC + c
         y = tl.load(y_ptr + (l * B + b) * T * H * D + row, mask=m2, other=0.0)
-        den = tl.load(den_ptr + n * T + t, mask=tmask, other=0.0)
+        den = tl.load(den_ptr + n * T + t, mask=tmask, other=1.0)
         tl.store(dwp_ptr + (bh * NC + c) * LV + l, tl.sum(tl.sum(do * y, 1), 0))
         g, gz = _out_grads(do, y, den, tl.load(w_ptr + l).to(tl.float32), eps)
         S = tl.load(hs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
