@@ -76,6 +76,31 @@ def test_triton_vocab_splits():
     _compare("triton", 12, 300, 48, positions="subset", z_loss=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_gpu_tiles(monkeypatch, dtype):
+    """The GPU's tiles for the dtype (the other tests run the interpreter's small ones): 64-row
+    token blocks, the vocab split across the programs of an H200 (132 multiprocessors), a ragged
+    last vocab tile, ragged d along BLOCK_K and BLOCK_D; fp16 weights: dW in two slabs of 132
+    vocab tiles, the second partial."""
+    monkeypatch.setattr(ce_mod, "_config", lambda h, V: ce_mod.gpu_config(h.dtype))
+    cfg = ce_mod.gpu_config(dtype)
+    N, d = 150, 200
+    V = 3000 if dtype == torch.float32 else cfg["slab_tiles"] * cfg["BLOCK_V"] + 500
+    assert ce_mod._n_split(N, V, cfg) > 1
+    h, w, t = _inputs(N, V, d, dtype=dtype)
+    kw = dict(z_loss=1e-3, softcap=4.0)
+    out = _run(lambda *a, **k: linear_cross_entropy(*a, backend="triton", **k), h, w, t, **kw)
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    truth = _run(linear_cross_entropy_reference, h32, w32, t, **kw)
+    same = _run(linear_cross_entropy_reference, h, w, t, **kw)  # fp16: fp32 math, fp16 gradients
+    for x, s, r, what in zip(out, same, truth, ("loss", "per-token ce", "dH", "dW")):
+        assert x.dtype == s.dtype
+        if dtype == torch.float32:
+            assert_rel(x, r, TOL, f"GPU tiles {what}")
+        else:
+            assert_lowp(x.float(), s.float(), r, 2e-3, f"GPU tiles fp16 {what}")
+
+
 @pytest.mark.parametrize("path,N,V,d", [("torch", 37, 300, 48), ("triton", 37, 300, 48), ("triton", 20, 8192, 128)])
 def test_fp16(small_chunks, path, N, V, d):
     """fp16 inputs: error vs the fp32 truth no worse than PyTorch's own fp16 computation."""

@@ -1,10 +1,12 @@
 """Sparse low-rank / dense MoE: every path vs the fp32 per-token reference, output and every gradient."""
+from contextlib import ExitStack
+
 import pytest
 import torch
 
 from fractus.kernels import moe as moe_mod
 from fractus.kernels.moe import _Route, moe, moe_reference
-from util import Launches, assert_lowp, assert_rel
+from util import Launches, assert_lowp, assert_rel, pinned
 
 D, FF = 48, 80  # not multiples of the blocks
 
@@ -159,6 +161,27 @@ def test_triton_lowrank_matches_reference(N, E, K, r, route, d, F):
 def test_triton_dense_matches_reference(N, E, K, route, d, F):
     """Ragged d and F, every token on one expert, a single token routed to all 16 experts."""
     check("triton", N, E, K, lowrank=False, route=route, d=d, F=F)
+
+
+GPU_TUNED = {n: k for n, k in vars(moe_mod).items() if hasattr(k, "gpu_configs")}
+
+
+@pytest.mark.parametrize("i", range(max(len(k.gpu_configs) for k in GPU_TUNED.values())))
+@pytest.mark.parametrize("lowrank", [True, False])
+def test_triton_gpu_tiles(monkeypatch, lowrank, i):
+    """The GPU's routing tiles (64 rows) and the i-th of its autotune configs for every kernel (the
+    other tests run the interpreter's small blocks): several ragged blocks along d and F, experts
+    with two tiles, the second partial."""
+    monkeypatch.setattr(moe_mod, "_block_m", lambda: moe_mod.GPU_BLOCK_M)
+    path = [n for n in GPU_TUNED if n.startswith("_lr_" if lowrank else "_gmm")]
+    assert len(path) == (4 if lowrank else 2)
+    configs = {n: k.gpu_configs[i % len(k.gpu_configs)] for n, k in GPU_TUNED.items()}
+    with ExitStack() as stack:
+        for n, k in GPU_TUNED.items():
+            k.best_config = None
+            stack.enter_context(pinned(k, configs[n]))
+        check("triton", 150, 4, 2, lowrank=lowrank, d=150, F=200)
+        assert all(GPU_TUNED[n].best_config is configs[n] for n in path)
 
 
 def test_triton_forward_without_grad(monkeypatch):

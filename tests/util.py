@@ -1,4 +1,6 @@
-"""Error measures and a kernel-launch recorder shared by the tests."""
+"""Error measures, a kernel-launch recorder and an autotune pin shared by the tests."""
+from contextlib import contextmanager
+
 import torch
 
 
@@ -20,6 +22,18 @@ class Launches:
             self.kwargs.append(kwargs)
             return launch(*args, **kwargs)
         return record
+
+
+@contextmanager
+def pinned(kernel, config):
+    """Launch the autotuned ``kernel`` (Triton's ``Autotuner``) with ``config`` only: with one
+    config it does not tune. Tests use it to run the GPU's configs in the interpreter."""
+    configs, cache = kernel.configs, kernel.cache
+    kernel.configs, kernel.cache = [config], {}
+    try:
+        yield
+    finally:
+        kernel.configs, kernel.cache = configs, cache
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

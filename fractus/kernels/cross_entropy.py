@@ -351,18 +351,23 @@ def _dot_prec(x: torch.Tensor) -> str:
 _H200_SMS = 132  # streaming multiprocessors assumed when compiling ahead of time without a GPU
 
 
-def _config(h: torch.Tensor, V: int) -> dict:
-    """Tile sizes: interpreter tiles are small so tests span several tiles; GPU tiles by dtype.
-    programs: grid size worth filling; slab_tiles: vocab tiles per dW launch (one wave)."""
-    if _backend.interpreting():
-        return dict(BLOCK_M=16, BLOCK_V=32 if V <= 4096 else 128, BLOCK_K=32, BLOCK_D=32,
-                    num_warps=4, num_stages=1, programs=2, slab_tiles=4)
-    sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else _H200_SMS
-    if h.dtype == torch.float32:
+def gpu_config(dtype: torch.dtype, sms: int = _H200_SMS) -> dict:
+    """The GPU's tile sizes by dtype on a device of ``sms`` multiprocessors (tests run them in the
+    interpreter too). programs: grid size worth filling; slab_tiles: vocab tiles per dW launch (one wave)."""
+    if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32, BLOCK_D=64, num_warps=4, num_stages=2,
                     programs=2 * sms, slab_tiles=sms)
     return dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64, BLOCK_D=64, num_warps=8, num_stages=3,
                 programs=2 * sms, slab_tiles=sms)
+
+
+def _config(h: torch.Tensor, V: int) -> dict:
+    """Tile sizes: interpreter tiles are small so tests span several tiles; GPU tiles by dtype."""
+    if _backend.interpreting():
+        return dict(BLOCK_M=16, BLOCK_V=32 if V <= 4096 else 128, BLOCK_K=32, BLOCK_D=32,
+                    num_warps=4, num_stages=1, programs=2, slab_tiles=4)
+    return gpu_config(h.dtype, torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda
+                      else _H200_SMS)
 
 
 def _n_split(M: int, V: int, cfg: dict) -> int:

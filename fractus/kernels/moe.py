@@ -142,19 +142,28 @@ def moe_torch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------- Triton
+GPU_BLOCK_M = 64  # rows per routing tile on the GPU (tests run it in the interpreter too)
+
+
 def _block_m() -> int:
     """Rows per routing tile (fixed: the tile list is built with it)."""
-    return 16 if _backend.interpreting() else 64
+    return 16 if _backend.interpreting() else GPU_BLOCK_M
 
 
-def _configs(names: tuple[str, ...], gpu: tuple[tuple[int, ...], ...]) -> list:
-    """Autotune configs: ``gpu`` rows are (*block sizes, num_warps, num_stages); a single
-    config in the interpreter. The fused kernels hold several [BM, R] fp32 tiles: compiled ahead
-    of time for sm_90 (python -m fractus.bench aot), their 8-warp configs do not spill registers
-    in bf16 (r = 64) and a 4-warp one does, so they have none."""
-    if _backend.interpreting():
-        return [triton.Config(dict(zip(names, (32, 16))), num_warps=1)]
-    return [triton.Config(dict(zip(names, blocks)), num_warps=w, num_stages=s) for *blocks, w, s in gpu]
+def _autotune(names: tuple[str, ...], gpu: tuple[tuple[int, ...], ...], key: list[str]):
+    """``triton.autotune`` over ``gpu``'s configs, rows of (*block sizes, num_warps, num_stages);
+    a single small config in the interpreter. The GPU's configs stay on the kernel as
+    ``gpu_configs`` (tests run each of them in the interpreter). The fused kernels hold several
+    [BM, R] fp32 tiles: compiled ahead of time for sm_90 (python -m fractus.bench aot), their
+    8-warp configs do not spill registers in bf16 (r = 64) and a 4-warp one does, so they have none."""
+    gpu_configs = [triton.Config(dict(zip(names, blocks)), num_warps=w, num_stages=s) for *blocks, w, s in gpu]
+    small = [triton.Config(dict(zip(names, (32, 16))), num_warps=1)]
+
+    def wrap(fn):
+        tuner = triton.autotune(configs=small if _backend.interpreting() else gpu_configs, key=key)(fn)
+        tuner.gpu_configs = gpu_configs
+        return tuner
+    return wrap
 
 
 _FUSED_CFG = ((64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 8, 3))
@@ -188,7 +197,7 @@ def _tile(tile_e_ptr, tile_lo_ptr, tile_hi_ptr, stok_ptr, d, F, r, BM: tl.conste
             ri, ri < r)
 
 
-@triton.autotune(configs=_configs(("BD", "BF"), _FUSED_CFG), key=["d", "F", "R"])
+@_autotune(("BD", "BF"), _FUSED_CFG, key=["d", "F", "R"])
 @triton.jit
 def _lr_fwd_kernel(x_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
                    V1, U1, b1, s1, V2, U2, b2, s2, y_ptr, a1_ptr, a2_ptr, d, F, r,
@@ -237,7 +246,7 @@ def _lr_fwd_kernel(x_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_ptr, ti
                  mask=rmask[:, None] & dm[None, :])
 
 
-@triton.autotune(configs=_configs(("BD", "BF"), _FUSED_CFG), key=["d", "F", "R"])
+@_autotune(("BD", "BF"), _FUSED_CFG, key=["d", "F", "R"])
 @triton.jit
 def _lr_bwd_rows_kernel(dy_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
                         V1, U1, b1, s1, V2, U2, b2, s2, a1_ptr, a2_ptr,
@@ -301,7 +310,7 @@ def _lr_bwd_rows_kernel(dy_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_p
                  mask=rmask[:, None] & dm[None, :])
 
 
-@triton.autotune(configs=_configs(("BF",), ((32, 8, 3), (64, 8, 3), (32, 8, 2))), key=["F", "R"])
+@_autotune(("BF",), ((32, 8, 3), (64, 8, 3), (32, 8, 2)), key=["F", "R"])
 @triton.jit
 def _lr_bwd_ff_kernel(offs_ptr, a1_ptr, da2_ptr, U1, b1, s1, V2, dU1, dV2, db1, F, r,
                       CDT: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
@@ -339,7 +348,7 @@ def _lr_bwd_ff_kernel(offs_ptr, a1_ptr, da2_ptr, U1, b1, s1, V2, dU1, dV2, db1, 
     tl.store(db1 + e * F + cf, db, mask=fm)
 
 
-@triton.autotune(configs=_configs(("BD",), ((64, 8, 3), (128, 8, 3), (32, 4, 3))), key=["d", "R"])
+@_autotune(("BD",), ((64, 8, 3), (128, 8, 3), (32, 4, 3)), key=["d", "R"])
 @triton.jit
 def _lr_bwd_model_kernel(offs_ptr, x_ptr, dy_ptr, stok_ptr, g_ptr, da1_ptr, a2_ptr, s2,
                          dV1, dU2, db2, d, r,
@@ -377,7 +386,7 @@ def _lr_bwd_model_kernel(offs_ptr, x_ptr, dy_ptr, stok_ptr, g_ptr, da1_ptr, a2_p
     tl.store(db2 + e * d + cd, db, mask=dm)
 
 
-@triton.autotune(configs=_configs(("BK", "BN"), _GMM_CFG), key=["KD", "ND"])
+@_autotune(("BK", "BN"), _GMM_CFG, key=["KD", "ND"])
 @triton.jit
 def _gmm_kernel(a_ptr, a_idx_ptr, w_ptr, bias_ptr, z_ptr, out_ptr, out_idx_ptr,
                 tile_e_ptr, tile_lo_ptr, tile_hi_ptr, KD, ND, sw_e, sw_k, sw_n,
@@ -422,7 +431,7 @@ def _gmm_kernel(a_ptr, a_idx_ptr, w_ptr, bias_ptr, z_ptr, out_ptr, out_idx_ptr,
     tl.store(out_ptr + orow[:, None] * ND + cn[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(configs=_configs(("BI", "BJ"), _GMM_CFG), key=["I", "J"])
+@_autotune(("BI", "BJ"), _GMM_CFG, key=["I", "J"])
 @triton.jit
 def _gmm_wgrad_kernel(offs_ptr, a_ptr, a_idx_ptr, b_ptr, b_idx_ptr, dw_ptr, db_ptr, I, J,
                       A_IDX: tl.constexpr, A_GELU: tl.constexpr, B_IDX: tl.constexpr,
