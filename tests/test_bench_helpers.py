@@ -192,7 +192,8 @@ def test_forward_components_cover_the_profiled_forward():
 
 
 def test_attribute_counts_cuda_backward_on_autograd_thread():
-    """On CUDA the backward's kernels run on autograd's device thread, outside the backward range."""
+    """On CUDA the backward's kernels run on autograd's device thread, outside the backward range;
+    the kernels' events and the GPU's copies of the ranges are not counted again."""
     from types import SimpleNamespace as Ev
 
     from torch.autograd import DeviceType
@@ -207,7 +208,10 @@ def test_attribute_counts_cuda_backward_on_autograd_thread():
               ev(P._MARK + "optimizer", 1, 0.0, 1.0),
               # the kernels' own events (a stream for a thread): their time is in their ops' already
               ev("_la_out_kernel", 7, 5.0, device_type=DeviceType.CUDA),
-              ev("sm90_xmma_gemm_bf16", 7, 7.0, device_type=DeviceType.CUDA)]
+              ev("sm90_xmma_gemm_bf16", 7, 7.0, device_type=DeviceType.CUDA),
+              # the GPU's copies of the ranges (user annotations, named alike): not counted twice
+              ev(P._MARK + "forward", 7, 5.0, device_type=DeviceType.CUDA),
+              ev(P._MARK + "backward", 7, 7.0, device_type=DeviceType.CUDA)]
     out = P.attribute(events, device_time=True)
     assert out["forward"] == 5.0 and out["attention"] == 5.0
     assert out["backward"] == 7.5 and out["optimizer"] == 1.0

@@ -5,13 +5,21 @@ import tomllib
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 
 from fractus.bench.gpu import KERNELS, run_suite
 
 
-def test_gpu_suite_dry_run(tmp_path):
-    tables = run_suite(tmp_path, dry_run=True)
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """A dry run's folder and tables (shared by the tests that read them)."""
+    out = tmp_path_factory.mktemp("gpu")
+    return out, run_suite(out, dry_run=True)
+
+
+def test_gpu_suite_dry_run(dry_run):
+    tmp_path, tables = dry_run
     assert tables["failures"].empty, tables["failures"].to_dict("records")
     for name in ["ceilings", "precompile", "trainer_resume", "train_throughput", "generation", "levers", "profile"] + [
             f"{s}_{k}" for k in (*KERNELS, "kuramoto") for s in ("correctness", "timing")]:
@@ -54,7 +62,32 @@ def test_gpu_suite_dry_run(tmp_path):
     assert prov["baselines"] == {"fla-core": "0.6.0", "liger-kernel": "0.8.5"}
 
 
+def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
+    """Notebooks 01-04 say "not measured" until results/gpu/ exists; here their GPU sections run on
+    a dry run's tables (FRACTUS_GPU_RESULTS), with a failed training configuration among them, so
+    that a GPU run's tables never meet code that has not run."""
+    import shutil
+
+    import nbformat
+    from nbclient import NotebookClient
+    gpu_dir = tmp_path / "gpu"
+    shutil.copytree(dry_run[0], gpu_dir)
+    train = pd.read_csv(gpu_dir / "train_throughput.csv")
+    failed = {"preset": "tiny", "batch_size": 4, "chunk_len": 16, "tok_s": None, "mfu": None, "error": "out of memory"}
+    pd.concat([train, pd.DataFrame([failed])]).to_csv(gpu_dir / "train_throughput.csv", index=False)
+    monkeypatch.setenv("FRACTUS_SMOKE", "1")
+    monkeypatch.setenv("FRACTUS_GPU_RESULTS", str(gpu_dir))
+    notebooks = Path(__file__).resolve().parents[1] / "notebooks"
+    for path in sorted(notebooks.glob("0[1-4]_*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        NotebookClient(nb, timeout=600, resources={"metadata": {"path": str(notebooks)}}).execute()
+        text = "\n".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
+                         for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+        assert not re.search(r"not measured on a GPU yet|No GPU run yet", text), path.name
+
+
 def test_gpu_suite_budget_skips_stages(tmp_path):
+    (tmp_path / "ceilings.csv").write_text("copy_gbs\n1.0\n")  # an earlier run's: gone, not read beside this one's
     tables = run_suite(tmp_path, dry_run=True, budget_s=-1.0)  # spent before the first stage
     f = pd.read_csv(tmp_path / "failures.csv")
     assert len(f) == len(tables["failures"]) >= 12 and f["error"].str.startswith("skipped: the time budget").all()
@@ -112,14 +145,16 @@ def test_gpu_suite_stops_a_fresh_process_that_outlives_the_budget(tmp_path, monk
 
 
 def test_sigterm_stops_the_running_stage_and_keeps_what_was_measured(tmp_path, monkeypatch):
-    """`timeout` sends SIGTERM: the stage running stops, the later ones are listed, none is lost."""
+    """`timeout` sends SIGTERM: the stage running stops (keeping the rows it measured), the later
+    ones are listed, nothing measured is lost."""
     import os
     import signal
     import time
 
     from fractus.bench import gpu
 
-    def killed(device, dry_run):
+    def killed(device, dry_run):  # a row measured, then the signal
+        yield {"preset": "tiny", "tok_s": 1.0}
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
     monkeypatch.setattr(gpu, "generation_rows", killed)
@@ -128,10 +163,26 @@ def test_sigterm_stops_the_running_stage_and_keeps_what_was_measured(tmp_path, m
         tables, failures = gpu.run_stages(tmp_path, ["correctness_kuramoto", "generation", "levers"], True, t0)
         os.kill(os.getpid(), signal.SIGTERM)  # `timeout` signals the process, then its group: the second is ignored
         time.sleep(0.2)
-    assert time.time() - t0 < 20 and set(tables) == {"correctness_kuramoto"}
+    assert time.time() - t0 < 20 and set(tables) == {"correctness_kuramoto", "generation"}
     assert (tmp_path / "correctness_kuramoto.csv").exists()
+    assert pd.read_csv(tmp_path / "generation.csv")["tok_s"].tolist() == [1.0]  # the stopped stage's row
     assert failures == [{"stage": n, "error": "stopped: signal SIGTERM", "trace": ""} for n in ("generation", "levers")]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stage_failing_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    import time
+
+    from fractus.bench import gpu
+
+    def half(device, dry_run):
+        yield {"preset": "tiny", "tok_s": 1.0}
+        raise RuntimeError("the second preset failed")
+    monkeypatch.setattr(gpu, "generation_rows", half)
+    tables, failures = gpu.run_stages(tmp_path, ["generation", "correctness_kuramoto"], True, time.time())
+    assert [f["stage"] for f in failures] == ["generation"] and "second preset" in failures[0]["error"]
+    assert pd.read_csv(tmp_path / "generation.csv")["tok_s"].tolist() == [1.0]
+    assert len(tables["generation"]) == 1 and tables["correctness_kuramoto"]["passed"].all()
 
 
 def test_a_failing_training_configuration_does_not_lose_the_sweep(monkeypatch):
@@ -143,7 +194,7 @@ def test_a_failing_training_configuration_does_not_lose_the_sweep(monkeypatch):
             raise RuntimeError("Triton Error [CUDA]: misaligned address")
         return real(preset, **kw)
     monkeypatch.setattr(gpu, "measure_training", flaky)
-    rows = gpu.train_rows(torch.device("cpu"), dry_run=True, peak_tflops=1.0)
+    rows = list(gpu.train_rows(torch.device("cpu"), dry_run=True, peak_tflops=1.0))
     assert [r["batch_size"] for r in rows] == [b for _, bs, _ in gpu.DRY_SWEEP for b in bs]
     assert rows[0]["error"].startswith("RuntimeError: Triton Error") and rows[1]["tok_s"] > 0
 

@@ -30,9 +30,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -79,8 +79,8 @@ def precompile_rows(dry_run: bool) -> list[dict]:
                           baselines=("fla",))
 
 
-def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[dict]:
-    rows = []
+def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> Iterator[dict]:
+    """A row per configuration of the sweep as it is measured; a failing one is an error row."""
     for preset, batches, chunk in (DRY_SWEEP if dry_run else TRAIN_SWEEP):
         cfg = FractusConfig.preset(preset, chunk_len=chunk)  # the attention's FLOPs depend on the chunk
         flops = sum(flops_per_token(cfg, training=True).values())
@@ -89,25 +89,22 @@ def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> list[
                       device=str(device), bf16=not dry_run)
             if dry_run:
                 kw.update(backend="triton", steps=1, warmup=0)
+            failed = {"preset": preset, "batch_size": b, "chunk_len": chunk, "tok_s": None, "mfu": None}
             try:
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
                 r = measure_training(preset, **kw)
-                r["peak_mem_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
                 r["train_flops_per_token"] = flops
                 r["peak_tflops"] = peak_tflops
                 r["mfu"] = r["tok_s"] * flops / (peak_tflops * 1e12)
-                rows.append(r)
             except torch.cuda.OutOfMemoryError:
-                rows.append({"preset": preset, "batch_size": b, "chunk_len": chunk, "error": "out of memory"})
+                yield {**failed, "error": "out of memory"}
                 torch.cuda.empty_cache()
                 break
             except Exception as e:  # recorded: the sweep's other configurations (the 1b target last) still run
-                rows.append({"preset": preset, "batch_size": b, "chunk_len": chunk,
-                             "error": f"{type(e).__name__}: {e}"[:300]})
+                yield {**failed, "error": f"{type(e).__name__}: {e}"[:300]}
                 if cuda_context_lost(device):  # every later one would fail too: the stage ends here
-                    return rows
-    return rows
+                    return
+            else:
+                yield r
 
 
 def kuramoto_case(device: torch.device, small: bool):
@@ -188,8 +185,8 @@ def trainer_rows(device: torch.device, dry_run: bool) -> list[dict]:
              "final_val_ce": full[-1]["val_ce"], "seconds": seconds}]
 
 
-def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
-    rows = []
+def generation_rows(device: torch.device, dry_run: bool) -> Iterator[dict]:
+    """Tick-by-tick generation tokens/s (batch 1, a 16-token prompt), a row per preset."""
     for preset in (("tiny",) if dry_run else ("palier0", "palier2", "1b")):
         cfg = FractusConfig.preset(preset, backend="triton" if dry_run else "auto")
         with device:
@@ -203,10 +200,8 @@ def generation_rows(device: torch.device, dry_run: bool) -> list[dict]:
             model.generate(list(range(1, 17)), n_new, temperature=0.9, top_k=50, seed=0)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        rows.append({"preset": preset, "batch_size": 1, "new_tokens": n_new,
-                     "tok_s": n_new / (time.perf_counter() - t0),
-                     "dtype": "fp32" if dry_run else "bf16"})
-    return rows
+        yield {"preset": preset, "batch_size": 1, "new_tokens": n_new, "tok_s": n_new / (time.perf_counter() - t0),
+               "dtype": "fp32" if dry_run else "bf16"}
 
 
 def nvidia_driver() -> str:
@@ -231,8 +226,9 @@ def baseline_versions() -> dict:
     return out
 
 
-def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Callable[[], list[dict]]]:
-    """The suite's stages in the order they run: name → a function returning its rows."""
+def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Callable[[], Iterable[dict]]]:
+    """The suite's stages in the order they run: name → a function returning its rows, or yielding
+    them one by one as they are measured (those measured before a failure or a stop are kept)."""
     ceil: dict = {}
 
     def measure_ceilings() -> list[dict]:
@@ -301,17 +297,26 @@ def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
 def _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s, tables, failures) -> bool:
     """One stage of :func:`run_stages` (its rows into ``tables``, a failure into ``failures``);
     True when the remaining stages ran in a fresh process."""
-    try:
-        rows = fns[name]()
-        if rows:  # written first: a failure surfacing at the synchronize below keeps them
+    rows: list[dict] = []
+
+    def keep() -> None:  # the rows measured so far, whatever comes next
+        if rows:
             write_csv(out / f"{name}.csv", rows, device)
             tables[name] = pd.DataFrame(rows)
+    try:
+        for row in fns[name]():
+            rows.append(row)
+        keep()  # first: a failure surfacing at the synchronize below keeps them
         if device.type == "cuda":  # errors of its last kernels surface here, in their stage
             torch.cuda.synchronize(device)
         print(f"[{time.time() - t_start:6.1f}s] {name}: {len(rows)} rows ({time.time() - t0:.1f}s)")
         if device.type == "cuda":  # its cached blocks back to the device: a fresh process may need them
             torch.cuda.empty_cache()
+    except Stopped:
+        keep()
+        raise
     except Exception as e:  # a failing stage is recorded and the suite goes on
+        keep()
         failures.append({"stage": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)})
         print(f"[{time.time() - t_start:6.1f}s] {name}: FAILED {type(e).__name__}: {e}")
         if i + 1 < len(names) and cuda_context_lost(device):
@@ -400,6 +405,8 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     if not dry_run and not torch.cuda.is_available():
         raise RuntimeError("the GPU suite needs a CUDA device; use --dry-run on CPU")
     out.mkdir(parents=True, exist_ok=True)
+    for name in _stage_fns(out, device, dry_run):  # an earlier run's tables: the notebooks must not
+        (out / f"{name}.csv").unlink(missing_ok=True)  # read them beside this run's (a stage skipped)
     t_start = time.time()
     prov = provenance(device)
     if device.type == "cuda":

@@ -20,6 +20,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
@@ -364,10 +365,11 @@ def train_many(recipes: list[Recipe], tokens: int, eval_tokens: int, seed: int =
 
 
 # -------------------------------------------------------------------------------- GPU rows
-def gpu_rows(smoke: bool = False) -> list[dict]:
+def gpu_rows(smoke: bool = False) -> Iterator[dict]:
     """The cumulative stack's speed on the GPU (bf16 autocast, Triton kernels), plus the fp32
-    and PyTorch-kernel variants of the last row; for the GPU suite → results/gpu/levers.csv.
-    With ``smoke`` (or without CUDA) it runs on CPU at smoke sizes in fp32 with the torch path."""
+    and PyTorch-kernel variants of the last row, a row at a time; for the GPU suite →
+    results/gpu/levers.csv. With ``smoke`` (or without CUDA) it runs on CPU at smoke sizes in
+    fp32 with the torch path."""
     cuda = torch.cuda.is_available() and not smoke
     device = "cuda" if cuda else "cpu"
     base = Recipe(dims=tuple(SMOKE_DIMS.items()) if not cuda else ())
@@ -378,12 +380,11 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
         ref = ref or m["tok_s"]
         rows.append({"table": "cumulative", "lever": name, "dtype": "bf16" if cuda else "fp32",
                      "backend": "auto", **m, "cumulative_speedup": m["tok_s"] / ref})
+        yield rows[-1]
     last = rows[-1]["tok_s"]
     variants = [("fp32 (no autocast)", False, "auto"), ("PyTorch kernels instead of Triton", cuda, "torch")]
     for name, bf16, backend in variants:
         m = measure_speed(stack(base)[-1][1], min_tokens=min_tok, device=device, bf16=bf16,
                           backend=backend)
-        rows.append({"table": "variant of the last row", "lever": name,
-                     "dtype": "bf16" if bf16 else "fp32", "backend": backend, **m,
-                     "speedup_vs_last_row": m["tok_s"] / last})
-    return rows
+        yield {"table": "variant of the last row", "lever": name, "dtype": "bf16" if bf16 else "fp32",
+               "backend": backend, **m, "speedup_vs_last_row": m["tok_s"] / last}

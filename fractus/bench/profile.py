@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -127,14 +128,15 @@ def attribute(events, device_time: bool = False) -> dict[str, float]:
 
     marking = {e.thread for e in events if e.name.startswith(_MARK)}
     for e in events:
+        if e.device_type != DeviceType.CPU:  # on CUDA: the kernels' own events and the GPU's copies
+            continue  # of the ranges (user annotations), already in their CPU events' device time
         if e.name.startswith(_MARK):
             ranges[e.name[len(_MARK):]] += total_t(e)
         if inside_forward(e):
             out[_component(e)] += self_t(e)
-        elif device_time and e.device_type == DeviceType.CPU and e.thread not in marking:
+        elif device_time and e.thread not in marking:
             # CUDA tensors' backward runs on autograd's device thread, so its ops are not children
-            # of the backward range (the profiler nests events per thread); the kernels' own events
-            # (device_type CUDA, a stream for a thread) are already in their ops' device time
+            # of the backward range (the profiler nests events per thread)
             ranges["backward"] += self_t(e)
     return {**out, **ranges}
 
@@ -317,16 +319,15 @@ def breakdown_rows(name: str, recipe: Recipe, iters: int = 5, prof_iters: int = 
     return rows
 
 
-def gpu_rows(smoke: bool = False) -> list[dict]:
+def gpu_rows(smoke: bool = False) -> Iterator[dict]:
     """Both tables for palier0 and palier2 (B=8, C=32, AdamW, bf16) on CUDA, for the GPU suite
-    → results/gpu/profile.csv. With ``smoke`` (or without CUDA): CPU, smoke dims, fp32."""
+    → results/gpu/profile.csv, a preset at a time. With ``smoke`` (or without CUDA): CPU, smoke
+    dims, fp32."""
     from fractus.bench.levers import SMOKE_DIMS
     cuda = torch.cuda.is_available() and not smoke
     dims = () if cuda else tuple(SMOKE_DIMS.items())
-    rows = []
     for preset in ("palier0", "palier2"):
         r = Recipe(preset=preset, vocab_size=8192, tie_head=True, sparse_moe=True, chunk_len=32,
                    batch_size=8, fused_ce=True, dims=dims)
-        rows += breakdown_rows(preset, r, iters=5 if cuda else 1, prof_iters=3 if cuda else 1,
-                               device="cuda" if cuda else "cpu", bf16=cuda)
-    return rows
+        yield from breakdown_rows(preset, r, iters=5 if cuda else 1, prof_iters=3 if cuda else 1,
+                                  device="cuda" if cuda else "cpu", bf16=cuda)

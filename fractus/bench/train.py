@@ -36,12 +36,16 @@ def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len:
                      head_positions: str = "all", active_blocks: int = 0, bf16: bool = False,
                      compile: bool = False, steps: int = 3, warmup: int = 1, device: str = "cpu",
                      seed: int = 0, **overrides) -> dict:
-    """Median seconds per optimizer step and tokens/s; ``overrides`` go to the config."""
+    """Median seconds per optimizer step and tokens/s; ``overrides`` go to the config. On CUDA
+    also the peak memory allocated during the timed steps (``peak_mem_bytes``: the statistics are
+    reset after the warm-up, whose autotuning allocates scratch buffers the model never holds)."""
     device = torch.device(device)
     cfg, model, opt, fwd, batches = _setup(preset, batch_size, chunk_len, accum, optimizer, lr,
                                            device, compile, seed, overrides)
     state, times = None, []
     for i in range(warmup + steps):
+        if i == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         if active_blocks:
             act = set(choose_active_blocks(cfg.n_layers, active_blocks, seed, i))
             for j, blk in enumerate(model.blocks):
@@ -67,6 +71,7 @@ def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len:
             "bf16": bf16, "compile": compile, "params": model.num_params(),
             "step_s": step_s, "tok_s": tokens / step_s, "tok_s_best": tokens / times[0],
             "steps_timed": steps,
+            "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             **{k: v for k, v in overrides.items()}}
 
 
