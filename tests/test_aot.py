@@ -93,7 +93,7 @@ def test_fla_launches_are_captured_and_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("from fractus.bench import aot\n"
             "from triton.runtime.driver import driver\n"
-            "L = aot.launches(ops=(), presets=(), baselines=('fla',))\n"
+            "L = aot.launches(ops=(), presets=(), extras=('fla',))\n"
             "driver.set_active(aot._offline_driver(90))\n"
             "n = sum(bool(fn.warmup(*l.args, grid=(1,), **kw)) for l, fn, kw in aot._compiles(L, all_configs=False))\n"
             "print(len(L), n, ' '.join(sorted({l.name for l in L})))")
@@ -133,3 +133,59 @@ print([i for i, c in enumerate(compiles) if not any(c[0] is k[0] for k in kept)]
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.split("\n")[-2] == "[1]", r.stdout
+
+
+def test_precompile_covers_what_the_suite_stages_launch():
+    """The GPU suite precompiles the ops' launches and ``gpu.model_runs()``: every compile that its
+    model stages need (the training sweep at a batch divisible by 16 with the carried state, lever
+    recipes at B=1 and chunk 16 in bf16 and fp32, the profile's, generation, the attention's
+    chunk-64 backward) is among them, so that none compiles one at a time on the device. The
+    stages run on CPU with launches captured (their losses are garbage: nothing is launched)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = """
+import torch
+from fractus.bench import aot, levers, profile, train
+from fractus.bench.gpu import GEN_PROMPT, model_runs
+from fractus.model import FractusConfig, FractusCTE
+steps = train.micro_steps
+train.micro_steps = lambda *a, **k: (*steps(*a, **k)[:3], True)  # captured kernels leave garbage
+
+def keys(launches):
+    return {aot.compile_key(L, fn, kw): L.name for L, fn, kw in aot._compiles(launches)}
+
+def stage(run):
+    out = []
+    with aot.capture_model("stage", out):
+        run()
+    return keys(out)
+
+def generate():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        FractusCTE(FractusConfig.preset("palier0", backend="triton")).eval().generate(GEN_PROMPT, 2, temperature=0)
+pre = keys(aot.launches(presets=model_runs(), extras=("bwd64",)))
+plan = levers.gpu_plan(cuda=True)
+kw = dict(min_tokens=0, min_steps=1, warmup=1, device="cpu", backend="triton")
+needed = {**stage(lambda: train.measure_training("palier0", batch_size=64, chunk_len=128, accum=1, steps=1,
+                                                   warmup=1, device="cpu", bf16=True, backend="triton")),
+          **stage(lambda: levers.measure_speed(plan[0][2], bf16=True, **kw)),
+          **stage(lambda: levers.measure_speed(plan[-2][2], bf16=False, **kw)),
+          **stage(lambda: levers.measure_speed(profile.gpu_recipes(cuda=True)[1][1], bf16=True, **kw)),
+          **stage(generate), **keys(aot.launches(ops=(), extras=("bwd64",)))}
+missing = sorted({n for k, n in needed.items() if k not in pre})
+print(len(needed), len(pre), "missing:", missing)
+assert not missing and len(needed) > 100
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_precompile_stops_workers_that_outlive_its_timeout():
+    """A stuck worker must not hold the GPU suite: after ``timeout_s`` the workers are stopped, a
+    row says so, and the process goes on (and exits)."""
+    code = ("import time; from fractus.bench import aot\n"
+            "t = time.time(); rows = aot.precompile(2, ops=('kuramoto',), presets=(), arch=90, timeout_s=0.5)\n"
+            "print(len(rows), sum(r['errors'] == 'stopped after 0 s' for r in rows), round(time.time() - t))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    n, stopped, seconds = map(int, r.stdout.split()[-3:])
+    assert n == 2 and stopped == 2 and seconds < 10

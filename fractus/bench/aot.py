@@ -12,8 +12,9 @@ correctness and speed still need the device (``python -m fractus.bench gpu``).
 
 Run it with ``TRITON_INTERPRET`` unset (the CLI checks): the kernels must be real JIT functions.
 :func:`precompile` compiles the same captured launches in parallel processes into Triton's
-on-disk cache, for the GPU at hand: the GPU suite's first stage; with fla's kernels when it is
-installed (``baselines``), so that its autotuning loads binaries too.
+on-disk cache, for the GPU at hand: the GPU suite's first stage, with what its stages launch
+beyond the ops' own (:data:`EXTRAS`: fla's kernels when it is installed, so that its autotuning
+loads binaries too).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,30 +171,54 @@ def _run_fla():
     _fla_fn()[0](q, k, v, w, omegas(2)).float().sum().backward()
 
 
-# baselines timed side by side when installed: (package, what to run); every module of the
-# package is captured (its kernels are launched from several)
-BASELINES = {"fla": ("fla.ops.linear_attn", _run_fla)}
+def _run_bwd64():
+    """The attention's backward in chunks of 64 (``triton_bwd64``) as the GPU suite times it (bf16)."""
+    from fractus.bench.linear_attention import _fwd_bwd, make_inputs, omegas
+    q, k, v, w, _, _ = make_inputs(8, 2048, 20, 64, 2, dtype=torch.bfloat16)
+    _fwd_bwd("triton_bwd64", q, k, v, w, omegas(2))
+
+
+# what the GPU suite launches beside the ops' and the presets' steps: (module, what to run); every
+# module of the module's package is captured. The baselines it times side by side (when installed)
+# and the attention's chunk-64 backward variant.
+EXTRAS = {"fla": ("fla.ops.linear_attn", _run_fla), "bwd64": ("fractus.kernels.linear_attention", _run_bwd64)}
 PRESETS = ("palier0", "palier1", "palier2", "palier3", "1b")
 
 
-def _run_model(preset: str) -> None:
-    """One bf16-autocast training micro-step of ``preset`` at the GPU suite's setting (8 streams
-    × 128 tokens, every position scored), then one decode step: what training and generation launch."""
+def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int = 128, bf16: bool = True,
+               head_positions: str = "all", active_blocks: int = 0, **overrides) -> None:
+    """``steps`` training micro-steps of ``preset`` on random tokens as the trainer runs them (each
+    after the first with the state the one before carried; blocks outside ``active_blocks`` without
+    weight gradients), under bf16 autocast (``bf16``), then a decode step: what training and
+    generation launch (defaults: the GPU suite's setting, 8 streams × 128 tokens, every position
+    scored). ``steps=0``: generation as the GPU suite times it instead. ``overrides`` go to the config."""
+    from fractus.bench.gpu import GEN_PROMPT
     from fractus.model import FractusConfig, FractusCTE
-    cfg = FractusConfig.preset(preset, chunk_len=128, backend="triton")
+    from fractus.train import autocast, choose_active_blocks, micro_steps
+    cfg = FractusConfig.preset(preset, chunk_len=chunk_len, backend="triton", **overrides)
     torch.manual_seed(0)
     model = FractusCTE(cfg)
-    x = torch.randint(0, cfg.vocab_size, (8, 129))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, parts, state = model(x[:, :-1], None, x[:, 1:])
-        parts["loss"].backward()
-        with torch.no_grad():
-            model.step(x[:, :1], FractusCTE.detach_state(state))
+    cpu = torch.device("cpu")
+    if not steps:
+        with autocast(cpu, bf16):
+            model.eval().generate(GEN_PROMPT, 2, temperature=0)
+        return
+    state = None
+    for i in range(steps):
+        if active_blocks:
+            act = set(choose_active_blocks(cfg.n_layers, active_blocks, 0, i))
+            for j, blk in enumerate(model.blocks):
+                blk.requires_grad_(j in act)
+        x = torch.randint(0, cfg.vocab_size, (batch_size, chunk_len + 1))
+        _, _, state, _ = micro_steps(model, [(x[:, :-1], x[:, 1:], False)], state, 1, head_positions, cpu, bf16)
+    with torch.no_grad(), autocast(cpu, bf16):
+        model.step(x[:, :1], state)
 
 
-def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(), baselines=()) -> list[Launch]:
-    """Run each op's Triton path forward and backward, and each preset's model (bf16 autocast),
-    on CPU with launches captured; then each of ``baselines`` that is installed (op ``baseline[name]``)."""
+def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(), extras=()) -> list[Launch]:
+    """Run each op's Triton path forward and backward, and each of ``presets`` (a preset's name,
+    or (name, :func:`_run_model`'s keywords)), on CPU with launches captured; then each of
+    ``extras`` whose module is installed (op ``extra[name]``)."""
     from fractus.kernels import backend
     out: list[Launch] = []
     for op in ops:
@@ -201,11 +226,12 @@ def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(),
         for dtype in dtypes:
             with capture(module, op, dtype, out), triton_on_cpu(backend):
                 OPS[op](dtype)
-    for preset in presets:
+    for entry in presets:
+        preset, kw = (entry, {}) if isinstance(entry, str) else entry
         with capture_model(f"model[{preset}]", out):
-            _run_model(preset)
-    for name in baselines:
-        entry, run = BASELINES[name]
+            _run_model(preset, **kw)
+    for name in extras:
+        entry, run = EXTRAS[name]
         try:
             importlib.import_module(entry)
         except ImportError:
@@ -214,11 +240,12 @@ def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(),
         try:
             with ExitStack() as stack:
                 for mod in [m for n, m in list(sys.modules.items()) if n.split(".")[0] == package and m is not None]:
-                    stack.enter_context(capture(mod, f"baseline[{name}]", torch.bfloat16, out))
+                    stack.enter_context(capture(mod, f"extra[{name}]", torch.bfloat16, out))
+                stack.enter_context(triton_on_cpu(backend))
                 run()
-        except Exception as e:  # a baseline is compiled when it is timed instead (its error recorded there)
+        except Exception as e:  # compiled when it is timed instead (an error recorded there)
             del out[first:]
-            print(f"baseline {name}: launches not captured ({type(e).__name__}: {e})", flush=True)
+            print(f"extra {name}: launches not captured ({type(e).__name__}: {e})", flush=True)
     return out
 
 
@@ -349,30 +376,37 @@ def _arg_key(a):
     return ("value", type(a).__name__, a if isinstance(a, (bool, str, type(None))) else None)
 
 
+def compile_key(L: Launch, fn, kw: dict) -> tuple:
+    """What one compile of ``fn`` for launch ``L`` with keywords ``kw`` (an item of :func:`_compiles`)
+    is told apart by: constexprs and compile options by value, the other arguments by
+    :func:`_arg_key`; equal keys compile to the same binary."""
+    params = {p.name: p for p in fn.params}
+    exact = lambda name: name not in params or params[name].is_constexpr  # noqa: E731
+    return (fn.__module__, fn.__name__,
+            tuple(repr(a) if p.is_constexpr else _arg_key(a) for p, a in zip(fn.params, L.args)),
+            tuple(sorted((k, repr(v) if exact(k) else _arg_key(v)) for k, v in kw.items())))
+
+
 def distinct_compiles(compiles):
     """``compiles`` (launch, JIT function, keyword arguments) without the repeats that would
-    compile to the same binary (e.g. a preset's layers launching one kernel at one shape):
-    constexprs and compile options by value, the other arguments by :func:`_arg_key`."""
+    compile to the same binary (e.g. a preset's layers launching one kernel at one shape)."""
     seen = set()
     for L, fn, kw in compiles:
-        params = {p.name: p for p in fn.params}
-        exact = lambda name: name not in params or params[name].is_constexpr  # noqa: E731
-        key = (id(fn),
-               tuple(repr(a) if p.is_constexpr else _arg_key(a) for p, a in zip(fn.params, L.args)),
-               tuple(sorted((k, repr(v) if exact(k) else _arg_key(v)) for k, v in kw.items())))
+        key = compile_key(L, fn, kw)
         if key not in seen:
             seen.add(key)
             yield L, fn, kw
 
 
-def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, baselines=()) -> dict:
+def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, extras=()) -> dict:
     """Compile every ``workers``-th distinct (launch, config) pair from ``shard`` on, for this
     machine's GPU (or offline for sm_``arch``), into Triton's on-disk cache."""
     from triton.runtime.driver import driver
     if arch is not None:
         driver.set_active(_offline_driver(arch))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # the capture's CPU work, in every worker
     t0, done, failed = time.perf_counter(), 0, []
-    pairs = list(distinct_compiles(_compiles(launches(ops, presets=presets, baselines=baselines))))
+    pairs = list(distinct_compiles(_compiles(launches(ops, presets=presets, extras=extras))))
     for L, fn, kw in pairs[shard::workers]:
         try:
             fn.warmup(*L.args, grid=(1,), **kw)
@@ -384,19 +418,27 @@ def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, 
 
 
 def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | None = None,
-               baselines=()) -> list[dict]:
+               extras=(), timeout_s: float = 150.0) -> list[dict]:
     """Fill Triton's on-disk cache with every captured launch × autotune config, compiled in
     ``workers`` processes at once, so that a run's launches and autotuning load binaries instead
     of compiling them one at a time (the cache key is the same: source, target, options,
     argument dtypes and alignment). For this machine's GPU, or offline for sm_``arch``. The
-    workers compile real kernels even when this process runs the interpreter. One row per worker."""
+    workers compile real kernels even when this process runs the interpreter. One row per worker;
+    workers still running after ``timeout_s`` are stopped (what they compiled stays cached)."""
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"  # read by the spawned workers when they import triton
-    try:  # a worker that dies raises BrokenProcessPool here (a Pool would replace it forever)
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            return list(pool.map(_precompile_shard, range(workers),
-                                 *zip(*[(workers, ops, presets, arch, baselines)] * workers)))
+    pool, late = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")), set()
+    try:  # a worker that dies raises BrokenProcessPool at its result (a Pool would replace it forever)
+        futures = [pool.submit(_precompile_shard, i, workers, ops, presets, arch, extras) for i in range(workers)]
+        done, late = wait(futures, timeout=timeout_s)
+        return [f.result() if f in done else
+                {"worker": i, "compiled": 0, "failed": 0, "errors": f"stopped after {timeout_s:.0f} s",
+                 "seconds": timeout_s} for i, f in enumerate(futures)]
     finally:
+        if late:  # stuck (or slow) workers are stopped, so that the suite goes on
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+        pool.shutdown(wait=not late, cancel_futures=True)
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
         else:

@@ -51,6 +51,7 @@ TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in b
 TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
                ("palier2", (8, 64, 128), 128), ("palier3", (8, 32, 64), 128), ("1b", (8, 32, 64, 128), 128)]
 DRY_SWEEP = [("tiny", (1, 2), 16)]
+GEN_PROMPT = list(range(1, 17))  # generation's prompt (16 tokens)
 
 
 def ceilings(device: torch.device, dry_run: bool) -> dict:
@@ -68,15 +69,33 @@ def ceilings(device: torch.device, dry_run: bool) -> dict:
             "matmul_n": n, "matmul_dtype": str(dtype).replace("torch.", ""), "copy_bytes": n_copy}
 
 
+def model_runs() -> list[tuple[str, dict]]:
+    """What the suite's model stages launch, as (preset, :func:`aot._run_model`'s keywords), for
+    :func:`precompile_rows`. The training sweep: palier0, palier2 and a one-layer 1b stand for
+    every preset (their kernels take the same specialisations), B=8 and B=16 for every batch
+    (Triton specialises integers on divisibility by 16), two steps (the second with the carried
+    state); the levers' recipes and the profile's on the Triton kernels; generation."""
+    train = [(p, dict(batch_size=b, chunk_len=chunk, steps=2, **kw))
+             for p, kw in (("palier0", {}), ("palier2", {}), ("1b", dict(n_layers=1)))
+             for b in (8, 16) for chunk in {c for _, _, c in TRAIN_SWEEP}]
+    recipes = [(r, bf16) for _, _, r, bf16, backend in levers.gpu_plan(cuda=True) if backend != "torch"]
+    recipes += [(r, True) for _, r in profile.gpu_recipes(cuda=True)]
+    runs = [(r.preset, dict(batch_size=r.batch_size, chunk_len=r.chunk_len, head_positions=r.head_positions,
+                            active_blocks=r.active_blocks, bf16=bf16, steps=2, **r.model_overrides()))
+            for r, bf16 in recipes]
+    generate = [(p, dict(steps=0, **kw)) for p, kw in (("palier0", {}), ("palier2", {}), ("1b", dict(n_layers=1)))]
+    return train + runs + generate
+
+
 def precompile_rows(dry_run: bool) -> list[dict]:
-    """Every kernel the suite launches (the ops' and palier0's and palier2's steps, and fla's when
-    installed, every autotune config) compiled in parallel processes into Triton's cache first, so
-    that later stages and autotuning load binaries instead of compiling one at a time. Dry run: two
-    workers compile the clock's kernels offline for sm_90."""
+    """Every kernel the suite launches (the ops', :func:`model_runs`' and fla's when installed,
+    every autotune config) compiled in parallel processes into Triton's cache first, so that later
+    stages and autotuning load binaries instead of compiling one at a time. Dry run: two workers
+    compile the clock's kernels offline for sm_90."""
     if dry_run:
         return aot.precompile(2, ops=("kuramoto",), presets=(), arch=90)
-    return aot.precompile(max(1, min(16, (os.cpu_count() or 2) - 1)), presets=("palier0", "palier2"),
-                          baselines=("fla",))
+    return aot.precompile(max(1, min(16, (os.cpu_count() or 2) - 1)), presets=model_runs(),
+                          extras=tuple(aot.EXTRAS))
 
 
 def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> Iterator[dict]:
@@ -193,11 +212,11 @@ def generation_rows(device: torch.device, dry_run: bool) -> Iterator[dict]:
             model = FractusCTE(cfg).eval()
         n_new = 4 if dry_run else 64
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not dry_run):
-            model.generate(list(range(1, 17)), 2, temperature=0)  # compile / warm up: the timed prompt's shapes
+            model.generate(GEN_PROMPT, 2, temperature=0)  # compile / warm up: the timed prompt's shapes
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            model.generate(list(range(1, 17)), n_new, temperature=0.9, top_k=50, seed=0)
+            model.generate(GEN_PROMPT, n_new, temperature=0.9, top_k=50, seed=0)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         yield {"preset": preset, "batch_size": 1, "new_tokens": n_new, "tok_s": n_new / (time.perf_counter() - t0),

@@ -365,26 +365,31 @@ def train_many(recipes: list[Recipe], tokens: int, eval_tokens: int, seed: int =
 
 
 # -------------------------------------------------------------------------------- GPU rows
+def gpu_plan(cuda: bool) -> list[tuple[str, str, Recipe, bool, str]]:
+    """(table, lever, recipe, bf16, backend) of each row of :func:`gpu_rows`: the cumulative stack
+    (smoke dims off CUDA), then the last row in fp32 and with the PyTorch kernels."""
+    levs = stack(Recipe(dims=tuple(SMOKE_DIMS.items()) if not cuda else ()))
+    last = levs[-1][1]
+    return [("cumulative", name, r, cuda, "auto") for name, r in levs] + [
+        ("variant of the last row", "fp32 (no autocast)", last, False, "auto"),
+        ("variant of the last row", "PyTorch kernels instead of Triton", last, cuda, "torch")]
+
+
 def gpu_rows(smoke: bool = False) -> Iterator[dict]:
     """The cumulative stack's speed on the GPU (bf16 autocast, Triton kernels), plus the fp32
-    and PyTorch-kernel variants of the last row, a row at a time; for the GPU suite →
-    results/gpu/levers.csv. With ``smoke`` (or without CUDA) it runs on CPU at smoke sizes in
-    fp32 with the torch path."""
+    and PyTorch-kernel variants of the last row (:func:`gpu_plan`), a row at a time; for the GPU
+    suite → results/gpu/levers.csv. With ``smoke`` (or without CUDA) it runs on CPU at smoke
+    sizes in fp32 with the torch path."""
     cuda = torch.cuda.is_available() and not smoke
     device = "cuda" if cuda else "cpu"
-    base = Recipe(dims=tuple(SMOKE_DIMS.items()) if not cuda else ())
     min_tok = 2048 if cuda else 256  # 128 steps of the B=1 baseline: the stack has 12 rows to time
-    rows, ref = [], None
-    for name, r in stack(base):
-        m = measure_speed(r, min_tokens=min_tok, device=device, bf16=cuda)
-        ref = ref or m["tok_s"]
-        rows.append({"table": "cumulative", "lever": name, "dtype": "bf16" if cuda else "fp32",
-                     "backend": "auto", **m, "cumulative_speedup": m["tok_s"] / ref})
-        yield rows[-1]
-    last = rows[-1]["tok_s"]
-    variants = [("fp32 (no autocast)", False, "auto"), ("PyTorch kernels instead of Triton", cuda, "torch")]
-    for name, bf16, backend in variants:
-        m = measure_speed(stack(base)[-1][1], min_tokens=min_tok, device=device, bf16=bf16,
-                          backend=backend)
-        yield {"table": "variant of the last row", "lever": name, "dtype": "bf16" if bf16 else "fp32",
-               "backend": backend, **m, "speedup_vs_last_row": m["tok_s"] / last}
+    ref = last = None
+    for table, name, r, bf16, backend in gpu_plan(cuda):
+        m = measure_speed(r, min_tokens=min_tok, device=device, bf16=bf16, backend=backend)
+        row = {"table": table, "lever": name, "dtype": "bf16" if bf16 else "fp32", "backend": backend, **m}
+        if table == "cumulative":
+            ref, last = ref or m["tok_s"], m["tok_s"]
+            row["cumulative_speedup"] = m["tok_s"] / ref
+        else:
+            row["speedup_vs_last_row"] = m["tok_s"] / last
+        yield row

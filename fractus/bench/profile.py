@@ -319,15 +319,20 @@ def breakdown_rows(name: str, recipe: Recipe, iters: int = 5, prof_iters: int = 
     return rows
 
 
-def gpu_rows(smoke: bool = False) -> Iterator[dict]:
-    """Both tables for palier0 and palier2 (B=8, C=32, AdamW, bf16) on CUDA, for the GPU suite
-    → results/gpu/profile.csv, a preset at a time. With ``smoke`` (or without CUDA): CPU, smoke
-    dims, fp32."""
+def gpu_recipes(cuda: bool) -> list[tuple[str, Recipe]]:
+    """The configurations :func:`gpu_rows` profiles: palier0 and palier2 at B=8, C=32, tied
+    8192-word head, sparse MoE, fused cross-entropy (smoke dims off CUDA)."""
     from fractus.bench.levers import SMOKE_DIMS
-    cuda = torch.cuda.is_available() and not smoke
     dims = () if cuda else tuple(SMOKE_DIMS.items())
-    for preset in ("palier0", "palier2"):
-        r = Recipe(preset=preset, vocab_size=8192, tie_head=True, sparse_moe=True, chunk_len=32,
-                   batch_size=8, fused_ce=True, dims=dims)
+    return [(preset, Recipe(preset=preset, vocab_size=8192, tie_head=True, sparse_moe=True, chunk_len=32,
+                            batch_size=8, fused_ce=True, dims=dims)) for preset in ("palier0", "palier2")]
+
+
+def gpu_rows(smoke: bool = False) -> Iterator[dict]:
+    """Both tables for :func:`gpu_recipes` (AdamW, bf16) on CUDA, for the GPU suite →
+    results/gpu/profile.csv, a preset at a time. With ``smoke`` (or without CUDA): CPU, smoke
+    dims, fp32."""
+    cuda = torch.cuda.is_available() and not smoke
+    for preset, r in gpu_recipes(cuda):
         yield from breakdown_rows(preset, r, iters=5 if cuda else 1, prof_iters=3 if cuda else 1,
                                   device="cuda" if cuda else "cpu", bf16=cuda)
