@@ -64,17 +64,20 @@ def test_gpu_suite_dry_run(dry_run):
 
 def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
     """Notebooks 01-04 say "not measured" until results/gpu/ exists; here their GPU sections run on
-    a dry run's tables (FRACTUS_GPU_RESULTS), with a failed training configuration among them, so
-    that a GPU run's tables never meet code that has not run."""
+    a dry run's tables (FRACTUS_GPU_RESULTS), with training rows relabelled as the sweep's (one
+    measured, one preset whose every configuration failed), so that a GPU run's tables never meet
+    code that has not run."""
     import shutil
 
     import nbformat
     from nbclient import NotebookClient
     gpu_dir = tmp_path / "gpu"
     shutil.copytree(dry_run[0], gpu_dir)
-    train = pd.read_csv(gpu_dir / "train_throughput.csv")
-    failed = {"preset": "tiny", "batch_size": 4, "chunk_len": 16, "tok_s": None, "mfu": None, "error": "out of memory"}
-    pd.concat([train, pd.DataFrame([failed])]).to_csv(gpu_dir / "train_throughput.csv", index=False)
+    train = pd.read_csv(gpu_dir / "train_throughput.csv")  # the tiny preset's, and as if the sweep's:
+    measured = train.iloc[:1].assign(preset="palier0", batch_size=8, chunk_len=128)  # a measured row,
+    failed = [{"preset": "1b", "batch_size": b, "chunk_len": 128, "tok_s": None, "mfu": None,  # a preset
+               "error": "out of memory"} for b in (8, 32)]  # whose every configuration failed
+    pd.concat([train, measured, pd.DataFrame(failed)]).to_csv(gpu_dir / "train_throughput.csv", index=False)
     monkeypatch.setenv("FRACTUS_SMOKE", "1")
     monkeypatch.setenv("FRACTUS_GPU_RESULTS", str(gpu_dir))
     notebooks = Path(__file__).resolve().parents[1] / "notebooks"

@@ -12,8 +12,8 @@ correctness and speed still need the device (``python -m fractus.bench gpu``).
 
 Run it with ``TRITON_INTERPRET`` unset (the CLI checks): the kernels must be real JIT functions.
 :func:`precompile` compiles the same captured launches in parallel processes into Triton's
-on-disk cache, for the GPU at hand: the GPU suite's first stage, with what its stages launch
-beyond the ops' own (:data:`EXTRAS`: fla's kernels when it is installed, so that its autotuning
+on-disk cache, for the GPU at hand: a stage of the GPU suite before its checks, with what its
+stages launch beyond the ops' own (:data:`EXTRAS`: fla's kernels when it is installed, so that its autotuning
 loads binaries too).
 """
 from __future__ import annotations
@@ -172,10 +172,12 @@ def _run_fla():
 
 
 def _run_bwd64():
-    """The attention's backward in chunks of 64 (``triton_bwd64``) as the GPU suite times it (bf16)."""
-    from fractus.bench.linear_attention import _fwd_bwd, make_inputs, omegas
-    q, k, v, w, _, _ = make_inputs(8, 2048, 20, 64, 2, dtype=torch.bfloat16)
-    _fwd_bwd("triton_bwd64", q, k, v, w, omegas(2))
+    """The attention's backward in chunks of 64 (``triton_bwd64``) as the GPU suite times it (bf16,
+    at each of its lengths: the chunk count is an argument Triton specialises on divisibility by 16)."""
+    from fractus.bench.linear_attention import GPU_TS, _fwd_bwd, make_inputs, omegas
+    for T in GPU_TS:
+        q, k, v, w, _, _ = make_inputs(8, T, 20, 64, 2, dtype=torch.bfloat16)
+        _fwd_bwd("triton_bwd64", q, k, v, w, omegas(2))
 
 
 # what the GPU suite launches beside the ops' and the presets' steps: (module, what to run); every
@@ -418,7 +420,7 @@ def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, 
 
 
 def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | None = None,
-               extras=(), timeout_s: float = 150.0) -> list[dict]:
+               extras=(), timeout_s: float = 200.0) -> list[dict]:
     """Fill Triton's on-disk cache with every captured launch × autotune config, compiled in
     ``workers`` processes at once, so that a run's launches and autotuning load binaries instead
     of compiling them one at a time (the cache key is the same: source, target, options,
@@ -427,12 +429,14 @@ def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | N
     workers still running after ``timeout_s`` are stopped (what they compiled stays cached)."""
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"  # read by the spawned workers when they import triton
-    pool, late = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")), set()
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+    late = []  # until wait() returns (a SIGTERM may stop it), every submitted worker counts as late
     try:  # a worker that dies raises BrokenProcessPool at its result (a Pool would replace it forever)
-        futures = [pool.submit(_precompile_shard, i, workers, ops, presets, arch, extras) for i in range(workers)]
+        futures = late = [pool.submit(_precompile_shard, i, workers, ops, presets, arch, extras)
+                          for i in range(workers)]
         done, late = wait(futures, timeout=timeout_s)
-        return [f.result() if f in done else
-                {"worker": i, "compiled": 0, "failed": 0, "errors": f"stopped after {timeout_s:.0f} s",
+        return [f.result() if f in done else  # how many it compiled (they stay cached) is not known
+                {"worker": i, "compiled": None, "failed": None, "errors": f"stopped after {timeout_s:.0f} s",
                  "seconds": timeout_s} for i, f in enumerate(futures)]
     finally:
         if late:  # stuck (or slow) workers are stopped, so that the suite goes on

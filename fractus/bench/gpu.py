@@ -84,16 +84,17 @@ def model_runs() -> list[tuple[str, dict]]:
                             active_blocks=r.active_blocks, bf16=bf16, steps=2, **r.model_overrides()))
             for r, bf16 in recipes]
     generate = [(p, dict(steps=0, **kw)) for p, kw in (("palier0", {}), ("palier2", {}), ("1b", dict(n_layers=1)))]
-    return train + runs + generate
+    return list({repr(run): run for run in train + runs + generate}.values())  # recipes alike once
 
 
 def precompile_rows(dry_run: bool) -> list[dict]:
-    """Every kernel the suite launches (the ops', :func:`model_runs`' and fla's when installed,
-    every autotune config) compiled in parallel processes into Triton's cache first, so that later
-    stages and autotuning load binaries instead of compiling one at a time. Dry run: two workers
-    compile the clock's kernels offline for sm_90."""
+    """Every kernel the suite launches (the ops', :func:`model_runs`', the attention's chunk-64
+    backward and fla's when installed, every autotune config) compiled in parallel processes into
+    Triton's cache first, so that later stages and autotuning load binaries instead of compiling
+    one at a time. Dry run: two workers compile the clock's kernels offline for sm_90 (no time
+    limit that a loaded CI machine could reach)."""
     if dry_run:
-        return aot.precompile(2, ops=("kuramoto",), presets=(), arch=90)
+        return aot.precompile(2, ops=("kuramoto",), presets=(), arch=90, timeout_s=1800)
     return aot.precompile(max(1, min(16, (os.cpu_count() or 2) - 1)), presets=model_runs(),
                           extras=tuple(aot.EXTRAS))
 

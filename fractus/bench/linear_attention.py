@@ -32,6 +32,8 @@ PHI = (1 + 5 ** 0.5) / 2
 CPU_THREADS = 1  # CPU timings: the bench machine's 2 cores are shared, OpenMP contention is erratic
 
 
+GPU_TS = (512, 2048, 8192)  # sequence lengths the GPU suite times (B=8, 40 level·heads, D=64, bf16)
+
 def omegas(levels):
     return [PHI ** (-2 * l) for l in range(levels)]
 
@@ -220,7 +222,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
     if smoke:
         device, dtype, H, Lv, D, B, Ts = "cpu", torch.float32, 2, 2, 32, 1, (40,)
     else:
-        device, dtype, H, Lv, D, B, Ts = "cuda", torch.bfloat16, 20, 2, 64, 8, (512, 2048, 8192)
+        device, dtype, H, Lv, D, B, Ts = "cuda", torch.bfloat16, 20, 2, 64, 8, GPU_TS
     dname = str(dtype).replace("torch.", "")
     oms = omegas(Lv)
     timer = (lambda f: common.median_time(f, warmup=1, reps=2, device=device)) if smoke else \

@@ -126,7 +126,7 @@ def attribute(events, device_time: bool = False) -> dict[str, float]:
             e = e.cpu_parent
         return False
 
-    marking = {e.thread for e in events if e.name.startswith(_MARK)}
+    marking = {e.thread for e in events if e.name.startswith(_MARK) and e.device_type == DeviceType.CPU}
     for e in events:
         if e.device_type != DeviceType.CPU:  # on CUDA: the kernels' own events and the GPU's copies
             continue  # of the ranges (user annotations), already in their CPU events' device time

@@ -71,7 +71,7 @@ def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len:
             "bf16": bf16, "compile": compile, "params": model.num_params(),
             "step_s": step_s, "tok_s": tokens / step_s, "tok_s_best": tokens / times[0],
             "steps_timed": steps,
-            "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            **({"peak_mem_bytes": torch.cuda.max_memory_allocated(device)} if device.type == "cuda" else {}),
             **{k: v for k, v in overrides.items()}}
 
 
