@@ -173,6 +173,24 @@ def test_sigterm_stops_the_running_stage_and_keeps_what_was_measured(tmp_path, m
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_sigterm_after_a_stage_ended_lists_only_the_later_ones(tmp_path):
+    """A SIGTERM while the outcome of a finished stage is written: that stage is not listed as stopped."""
+    import os
+    import signal
+    import time
+
+    from fractus.bench import gpu
+
+    def after(tables, failures):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    with gpu.stop_on_sigterm():
+        tables, failures = gpu.run_stages(tmp_path, ["correctness_kuramoto", "generation"], True, time.time(),
+                                          after_stage=after)
+    assert set(tables) == {"correctness_kuramoto"}
+    assert failures == [{"stage": "generation", "error": "stopped: signal SIGTERM", "trace": ""}]
+
+
 def test_a_stage_failing_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     import time
 

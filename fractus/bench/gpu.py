@@ -300,14 +300,17 @@ def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
                              "trace": ""})
             print(f"[{t0 - t_start:6.1f}s] {name}: skipped (time budget)")
             continue
+        fresh = None  # set once the stage (and, when True, the rest in a fresh process) has run
         try:
             fresh = _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s, tables, failures)
             if after_stage is not None:
                 after_stage(tables, failures)
             if fresh:
                 break
-        except Stopped as e:  # SIGTERM (an outer time limit): this stage (unless it failed) and the rest are listed
-            rest = names[i + 1:] if len(failures) > n_failures else names[i:]
+        except Stopped as e:  # SIGTERM (an outer time limit): this stage (unless it failed or had
+            if fresh:  # ended) and the rest are listed; a fresh process ran the rest already
+                break
+            rest = names[i + 1:] if fresh is not None or len(failures) > n_failures else names[i:]
             failures += [{"stage": n, "error": f"stopped: {e}", "trace": ""} for n in rest]
             print(f"[{time.time() - t_start:6.1f}s] {name}: stopped ({e}); no further stage runs")
             break
