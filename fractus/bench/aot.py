@@ -13,8 +13,8 @@ correctness and speed still need the device (``python -m fractus.bench gpu``).
 Run it with ``TRITON_INTERPRET`` unset (the CLI checks): the kernels must be real JIT functions.
 :func:`precompile` compiles the same captured launches in parallel processes into Triton's
 on-disk cache, for the GPU at hand: a stage of the GPU suite before its checks, with what its
-stages launch beyond the ops' own (:data:`EXTRAS`: fla's kernels when it is installed, so that its autotuning
-loads binaries too).
+stages launch beyond the ops' own (:data:`EXTRAS`: the attention's chunk-64 backward, and fla's
+kernels when it is installed, so that its autotuning loads binaries too).
 """
 from __future__ import annotations
 

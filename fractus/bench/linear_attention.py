@@ -34,6 +34,7 @@ CPU_THREADS = 1  # CPU timings: the bench machine's 2 cores are shared, OpenMP c
 
 GPU_TS = (512, 2048, 8192)  # sequence lengths the GPU suite times (B=8, 40 level·heads, D=64, bf16)
 
+
 def omegas(levels):
     return [PHI ** (-2 * l) for l in range(levels)]
 
