@@ -1,4 +1,4 @@
-"""The Fractus CTE language model (see ``shared/SPEC.md`` for the math).
+"""The Fractus CTE language model (see ``../shared/SPEC.md``, beside this repository, for the math).
 
 A stack of pre-norm blocks, each: multi-level causal linear attention with a carried state
 (S, z) per (level, head) → a Kuramoto phase clock integrated per token → phase-routed top-k

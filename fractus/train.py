@@ -139,11 +139,12 @@ def make_config(args, vocab_size: int) -> FractusConfig:
 
 def run_settings(args: dict) -> dict:
     """The arguments that shape a run (RESUME_KEYS), defaults resolved: the data directory as an
-    absolute path, the optimizer's default lr, the config's lb coefficient."""
+    absolute path, the optimizer's default lr, the config's lb coefficient, bf16 on for CUDA."""
     d = {k: args.get(k) for k in RESUME_KEYS}
     d["data"] = str(Path(d["data"]).resolve())
     d["lr"] = DEFAULT_LR[d["optimizer"]] if d["lr"] is None else d["lr"]
     d["lb_coef"] = FractusConfig.lb_coef if d["lb_coef"] is None else d["lb_coef"]
+    d["bf16"] = torch.device(args["device"]).type == "cuda" if d["bf16"] is None else d["bf16"]
     return d
 
 
@@ -372,8 +373,8 @@ def train(argv=None) -> dict:
     streams = TokenStreams(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world)
     TokenStreams(val_tok, args.batch_size, args.chunk_len)  # a too-short split fails now, not at evaluation
     cfg = make_config(args, meta["vocab_size"])
-    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
-    lr = run_settings(vars(args))["lr"]
+    settings = run_settings(vars(args))
+    bf16, lr = settings["bf16"], settings["lr"]
     tokens_per_step = world * args.batch_size * args.chunk_len * args.accum
     total_steps = max(1, math.ceil(args.tokens / tokens_per_step))
     if args.active_blocks and (args.active_blocks > cfg.n_layers or world > 1):
@@ -394,7 +395,7 @@ def train(argv=None) -> dict:
         if lacking:
             raise CheckpointError(f"{ckpt_path} holds a model but no training state (no {', '.join(lacking)}): "
                                   f"start a new run from it with --grow-from")
-        saved, now = run_settings(ck["args"]), run_settings(vars(args))
+        saved, now = run_settings(ck["args"]), settings
         diff = {k: (saved[k], now[k]) for k in RESUME_KEYS if saved[k] != now[k]}
         if ck.get("world", 1) != world:
             diff["processes"] = (ck.get("world", 1), world)
@@ -499,8 +500,7 @@ def train(argv=None) -> dict:
         if master:
             print(f"stopped at step {step} of {total_steps}: checkpoint saved to {ckpt_path}; "
                   f"rerun with --resume")
-        return last
-    if master:
+    elif master:
         final = evaluate(model, val_tok, args.batch_size, args.chunk_len, None, token_bytes, device, bf16)
         last.update(final)
         record_final(metrics_path, step, final)
@@ -511,7 +511,7 @@ def train(argv=None) -> dict:
         if args.sample_tokens:
             for p in PROMPTS:
                 print(f"--- {p!r} →{sample_text(model, p, args.sample_tokens, seed=args.seed)!r}")
-    if world > 1:
+    if world > 1:  # also after a stop: a process that exits without it can abort (seen with torch 2.11, gloo)
         dist.destroy_process_group()
     return last
 

@@ -5,6 +5,8 @@ with palier0's bf16 training step and decode step."""
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 
 import pandas as pd
 
@@ -196,3 +198,16 @@ def test_precompile_stops_workers_that_outlive_its_timeout():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     n, stopped, seconds = map(int, r.stdout.split()[-3:])
     assert n == 2 and stopped == 2 and seconds < 10
+
+
+def test_precompile_keeps_the_rows_of_workers_beside_one_that_died():
+    """A worker that dies (killed, out of memory) breaks the pool: the rows of the workers that had
+    finished stay, and the others say why they have none instead of failing the whole stage."""
+    ok, broken, stuck = Future(), Future(), Future()
+    ok.set_result({"worker": 0, "compiled": 12, "failed": 0, "errors": "", "seconds": 3.0})
+    broken.set_exception(BrokenProcessPool("a process in the process pool was terminated abruptly"))
+    rows = [aot._worker_row(0, ok, True, 200), aot._worker_row(1, broken, True, 200),
+            aot._worker_row(2, stuck, False, 200)]
+    assert rows[0]["compiled"] == 12
+    assert rows[1]["compiled"] is None and rows[1]["errors"].startswith("BrokenProcessPool: a process")
+    assert rows[2]["compiled"] is None and rows[2]["errors"] == "stopped after 200 s"

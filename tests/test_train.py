@@ -353,11 +353,16 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(cli(data, out, "--eval-every", "0", "--resume", tokens=10 * 32))
     assert "'processes': (2, 1)" in capsys.readouterr().err
+    save_checkpoint(out / "ckpt.pt", {**ck, "args": {**ck["args"], "device": "cuda"}})  # bf16 by default there
+    with pytest.raises(SystemExit):
+        main(cli(data, out, "--eval-every", "0", "--resume", tokens=10 * 32))
+    assert "'bf16': (True, False)" in capsys.readouterr().err
     save_checkpoint(out / "ckpt.pt", ck)
-    # the same settings written otherwise: the data directory by another path, the default lr explicitly
+    # the same settings written otherwise: the data directory by another path, the defaults lr and bf16 explicitly
     relative = os.path.relpath(data, Path.cwd())
     assert not os.path.isabs(relative)
-    train([*cli(data, out, "--eval-every", "0", "--resume", "--lr", "0.002", tokens=6 * 32), "--data", relative])
+    train([*cli(data, out, "--eval-every", "0", "--resume", "--lr", "0.002", "--no-bf16", tokens=6 * 32),
+           "--data", relative])
     assert load_checkpoint(out / "ckpt.pt")["step"] == 6
 
 
@@ -368,7 +373,7 @@ CHANGED = {"preset": ["--preset", "palier0"], "data": None, "batch_size": ["--ba
            "min_lr_ratio": ["--min-lr-ratio", "0.5"], "grad_clip": ["--grad-clip", "0.5"],
            "lb_coef": ["--lb-coef", "0.1"], "head_positions": ["--head-positions", "last"],
            "detach_kuramoto": ["--detach-kuramoto"], "active_blocks": ["--active-blocks", "1"],
-           "bf16": ["--no-bf16"]}
+           "bf16": ["--bf16"]}  # on the CPU: the default is off
 
 
 def test_resume_refuses_every_setting_that_shapes_the_run(data, tmp_path, capsys):

@@ -419,6 +419,19 @@ def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, 
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def _worker_row(shard: int, future, finished: bool, timeout_s: float) -> dict:
+    """A precompile worker's row: its own, or why it has none (stopped at the timeout, or died, which
+    breaks the pool: every worker still running then fails too). How many such a worker compiled
+    (they stay cached) is not known."""
+    unknown = {"worker": shard, "compiled": None, "failed": None}
+    if not finished:
+        return {**unknown, "errors": f"stopped after {timeout_s:.0f} s", "seconds": timeout_s}
+    if future.exception() is not None:
+        return {**unknown, "errors": f"{type(future.exception()).__name__}: {future.exception()}"[:1000],
+                "seconds": None}
+    return future.result()
+
+
 def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | None = None,
                extras=(), timeout_s: float = 200.0) -> list[dict]:
     """Fill Triton's on-disk cache with every captured launch × autotune config, compiled in
@@ -431,13 +444,11 @@ def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | N
     os.environ["TRITON_INTERPRET"] = "0"  # read by the spawned workers when they import triton
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
     late = []  # until wait() returns (a SIGTERM may stop it), every submitted worker counts as late
-    try:  # a worker that dies raises BrokenProcessPool at its result (a Pool would replace it forever)
+    try:  # a worker that dies breaks the pool, and says so in its row (a Pool would replace it forever)
         futures = late = [pool.submit(_precompile_shard, i, workers, ops, presets, arch, extras)
                           for i in range(workers)]
         done, late = wait(futures, timeout=timeout_s)
-        return [f.result() if f in done else  # how many it compiled (they stay cached) is not known
-                {"worker": i, "compiled": None, "failed": None, "errors": f"stopped after {timeout_s:.0f} s",
-                 "seconds": timeout_s} for i, f in enumerate(futures)]
+        return [_worker_row(i, f, f in done, timeout_s) for i, f in enumerate(futures)]
     finally:
         if late:  # stuck (or slow) workers are stopped, so that the suite goes on
             for proc in list((getattr(pool, "_processes", None) or {}).values()):
