@@ -46,11 +46,31 @@ RESUME_KEYS = ("preset", "data", "batch_size", "chunk_len", "accum", "optimizer"
 DEFAULT_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}
 
 
-def positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {n}")
-    return n
+def number(kind: type, lo: float, hi: float | None = None):
+    """An argparse type: a finite ``kind`` in [lo, hi]."""
+    def parse(text: str):
+        x = kind(text)
+        if not (math.isfinite(x) and lo <= x and (hi is None or x <= hi)):
+            raise argparse.ArgumentTypeError(f"must be {'finite and ' * (kind is float)}≥ {lo}"
+                                             + ("" if hi is None else f" and ≤ {hi}") + f", got {text}")
+        return x
+    parse.__name__ = kind.__name__  # argparse's "invalid int value"
+    return parse
+
+
+positive_int, natural = number(int, 1), number(int, 0)
+
+
+def device_name(text: str) -> str:
+    """An argparse type: a device this torch can use (kept as its name)."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu, cuda, cuda:N)") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not available here (this torch sees "
+                                         f"{torch.cuda.device_count()} CUDA device(s))")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,27 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
     a("--data", required=True, help="directory written by `python -m fractus.data prepare`")
     a("--out", required=True, help="run directory: checkpoints, metrics.csv")
     a("--tokens", type=positive_int, default=3_000_000, help="training tokens (all processes together)")
-    a("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. n_layers=4")
+    a("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE", help="config overrides, e.g. n_layers=4")
     a("--batch-size", type=positive_int, default=8, help="streams per process (B)")
     a("--chunk-len", type=positive_int, default=32, help="positions per chunk (C)")
     a("--accum", type=positive_int, default=8, help="micro-steps per optimizer step")
     a("--head-positions", default="all", choices=("all", "last"))
     a("--detach-kuramoto", action="store_true")
     a("--optimizer", default="adamw", choices=("sgd", "adamw", "rmsprop"))
-    a("--lr", type=float, default=None, help=f"peak learning rate (default: {DEFAULT_LR})")
-    a("--weight-decay", type=float, default=0.01)
-    a("--warmup", type=int, default=50, help="warm-up optimizer steps")
-    a("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of --lr")
-    a("--grad-clip", type=float, default=1.0)
+    a("--lr", type=number(float, 0), default=None, help=f"peak learning rate (default: {DEFAULT_LR})")
+    a("--weight-decay", type=number(float, 0), default=0.01)
+    a("--warmup", type=natural, default=50, help="warm-up optimizer steps")
+    a("--min-lr-ratio", type=number(float, 0, 1), default=0.1, help="cosine decay floor, as a fraction of --lr")
+    a("--grad-clip", type=number(float, 0), default=1.0, help="gradient norm clip (0 = none)")
     a("--lb-coef", type=float, default=None, help="load-balance coefficient (default: config's)")
-    a("--active-blocks", type=int, default=0, help="PGSU: blocks that get weight gradients per step (0 = all)")
+    a("--active-blocks", type=natural, default=0, help="PGSU: blocks that get weight gradients per step (0 = all)")
     a("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast (default: on for CUDA)")
     a("--compile", action="store_true", help="torch.compile the model")
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     a("--backend", default="auto", choices=BACKENDS)
-    a("--eval-every", type=int, default=200, help="optimizer steps between validations (0 = end only)")
-    a("--eval-tokens", type=int, default=65_536, help="validation tokens per periodic evaluation")
-    a("--ckpt-every", type=int, default=200, help="optimizer steps between checkpoints")
+    a("--eval-every", type=natural, default=200, help="optimizer steps between validations (0 = end only)")
+    a("--eval-tokens", type=positive_int, default=65_536, help="validation tokens per periodic evaluation")
+    a("--ckpt-every", type=natural, default=200, help="optimizer steps between checkpoints (0 = end only)")
     a("--max-nan", type=positive_int, default=3,
       help="stop after this many consecutive non-finite steps (loss or gradient)")
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
@@ -90,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
            "with a time limit; continue with --resume)")
     a("--grow-from", metavar="CKPT",
       help="start from CKPT's model grown to the preset (fresh optimizer; ignored with --resume)")
-    a("--sample-tokens", type=int, default=40, help="tokens generated per prompt at the end (0 = none)")
+    a("--sample-tokens", type=natural, default=40, help="tokens generated per prompt at the end (0 = none)")
     a("--seed", type=int, default=1337)
-    a("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    a("--threads", type=natural, default=0, help="torch CPU threads (0 = torch's default)")
     a("--no-progress", action="store_true", help="no tqdm bar")
     return ap
 
@@ -103,6 +123,8 @@ def parse_overrides(pairs: list[str]) -> dict:
         if "=" not in kv:
             raise ValueError(f"--set expects KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
+        if k in out:
+            raise ValueError(f"--set {k} given twice")
         for conv in (int, float):
             try:
                 out[k] = conv(v)
@@ -146,6 +168,12 @@ def run_settings(args: dict) -> dict:
     d["lb_coef"] = FractusConfig.lb_coef if d["lb_coef"] is None else d["lb_coef"]
     d["bf16"] = torch.device(args["device"]).type == "cuda" if d["bf16"] is None else d["bf16"]
     return d
+
+
+def data_identity(meta: dict) -> dict:
+    """What a checkpoint records of its data directory's meta.json, and a resume compares."""
+    return {"vocab_size": meta["vocab_size"], "source": meta["source"], "encoding": meta.get("encoding"),
+            "train_tokens": meta["train"]["tokens"], "val_tokens": meta["val"]["tokens"]}
 
 
 def make_optimizer(model, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -399,6 +427,8 @@ def train(argv=None) -> dict:
         diff = {k: (saved[k], now[k]) for k in RESUME_KEYS if saved[k] != now[k]}
         if ck.get("world", 1) != world:
             diff["processes"] = (ck.get("world", 1), world)
+        now_data = data_identity(meta)  # the same path may hold another corpus since
+        diff.update({f"data {k}": (v, now_data[k]) for k, v in ck.get("meta", {}).items() if now_data.get(k, v) != v})
         if diff:
             raise ValueError(f"--resume with different settings than the checkpoint: {diff}")
         load_model_state(model, ck["model"], ckpt_path)
@@ -413,6 +443,9 @@ def train(argv=None) -> dict:
             print(f"resumed from {ckpt_path} at step {step} ({step * tokens_per_step:,} tokens)")
     elif master and ckpt_path.exists():
         raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue it, or choose another --out")
+    elif master and metrics_path.exists():
+        raise FileExistsError(f"{metrics_path} exists (a run that wrote no checkpoint): choose another --out "
+                              f"or remove it")
 
     net = model
     if world > 1:
@@ -421,7 +454,11 @@ def train(argv=None) -> dict:
     token_bytes = token_byte_lengths(get_tokenizer(cfg.vocab_size))
 
     def save():
-        """Every process calls it: each one's carried state goes into the checkpoint."""
+        """Every process calls it: each one's carried state goes into the checkpoint. Non-finite
+        weights are never written: the last checkpoint stays."""
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise NonFiniteLoss(f"the weights became non-finite by step {step} (an update overflowed: lower "
+                                f"--lr, or clip with --grad-clip); {ckpt_path} is left as it was")
         states = gather_states(FractusCTE.detach_state(state, "cpu"), rank, world)
         if master:
             save_checkpoint(ckpt_path, {
@@ -430,7 +467,7 @@ def train(argv=None) -> dict:
                 "states": states, "rng": rng_state(), "elapsed_s": elapsed,
                 "counters": {"nan_run": nan_run, "skipped": skipped}, "ancestor": ancestor,
                 "args": vars(args), "world": world,
-                "meta": {"vocab_size": meta["vocab_size"], "source": meta["source"]}})
+                "meta": data_identity(meta)})
 
     if master:
         out.mkdir(parents=True, exist_ok=True)

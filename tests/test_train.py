@@ -3,6 +3,7 @@ non-finite losses, bad input, mismatched resumes; PGSU and growth through the CL
 import csv
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,12 +304,66 @@ def test_bad_arguments(data, tmp_path, capsys):
              (["--chunk-len", "0"], "argument --chunk-len: must be ≥ 1, got 0"),
              (["--accum", "-1"], "argument --accum: must be ≥ 1, got -1"),
              (["--set", "chunk_len=64", "backend=torch"], "not --set: chunk_len → --chunk-len, backend → --backend"),
-             (["--set", "n_layers=0", "tie_head=maybe"], "n_layers must be an integer ≥ 1, got 0; tie_head must be")]
+             (["--set", "n_layers=0", "tie_head=maybe"], "n_layers must be an integer ≥ 1, got 0; tie_head must be"),
+             (["--set", "n_layers=3", "--set", "n_layers=4"], "--set n_layers given twice"),
+             (["--lr", "inf"], "argument --lr: must be finite and ≥ 0, got inf"),
+             (["--min-lr-ratio", "5"], "argument --min-lr-ratio: must be finite and ≥ 0 and ≤ 1, got 5"),
+             (["--ckpt-every", "-1"], "argument --ckpt-every: must be ≥ 0, got -1"),
+             (["--threads", "-1"], "argument --threads: must be ≥ 0, got -1"),
+             (["--device", "bogus"], "argument --device: not a device: 'bogus'")]
     for extra, msg in cases:
         with pytest.raises(SystemExit) as e:
             main(cli(data, tmp_path / "run", *extra))
         assert e.value.code == 2 and msg in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_repeated_set_flags_add_up():
+    args = train_mod.build_parser().parse_args(["--data", "d", "--out", "o", "--set", "n_layers=3",
+                                                "--set", "d_model=64", "top_k=1"])
+    assert args.set == ["n_layers=3", "d_model=64", "top_k=1"]
+
+
+def test_a_fresh_run_refuses_a_leftover_metrics_file(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.csv").write_text("step,train_ce\n1,5.0\n")
+    with pytest.raises(SystemExit) as e:
+        main(cli(data, out, tokens=2 * 32))
+    assert e.value.code == 2 and "metrics.csv exists" in capsys.readouterr().err
+    assert (out / "metrics.csv").read_text() == "step,train_ce\n1,5.0\n" and not (out / "ckpt.pt").exists()
+
+
+def test_non_finite_weights_never_replace_the_last_checkpoint(data, tmp_path, monkeypatch, capsys):
+    """An update with a finite gradient can still overflow the weights (a huge lr): the checkpoint
+    of the step before stays."""
+    real, calls = torch.optim.AdamW.step, []
+
+    def step_then_overflow(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls.append(1)
+        if len(calls) == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("inf"))
+        return out
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_overflow)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(cli(data, out, "--eval-every", "0", "--ckpt-every", "1", tokens=10 * 32))
+    assert e.value.code == 2 and "the weights became non-finite by step 3" in capsys.readouterr().err
+    ck = load_checkpoint(out / "ckpt.pt")
+    assert ck["step"] == 2 and all(torch.isfinite(v).all() for v in ck["model"].values())
+
+
+def test_resume_refuses_another_corpus_in_the_same_directory(data, tmp_path, capsys):
+    here, out = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(data, here)
+    train(cli(here, out, "--eval-every", "0", tokens=2 * 32))
+    shutil.rmtree(here)  # prepared again, from another text of the same name
+    prepare(str(write_toy_corpus(tmp_path / "corpus.txt", seed=1)), here, vocab_size=512)
+    with pytest.raises(SystemExit) as e:
+        main(cli(here, out, "--eval-every", "0", "--resume", tokens=4 * 32))
+    assert e.value.code == 2 and "'data train_tokens'" in capsys.readouterr().err
 
 
 def test_bad_token_ids_and_vocab(tmp_path, data, capsys):
