@@ -3,7 +3,7 @@
 A checkpoint is a dict of tensors and plain Python values written with ``torch.save`` and
 read back with ``torch.load(weights_only=True)``, so a crafted pickle cannot run code. The
 CRC-32 of every member of ``torch.save``'s zip archive is checked first, so damaged bytes are
-reported rather than loaded.
+reported rather than loaded; a file that is no zip archive is not read at all.
 """
 from __future__ import annotations
 
@@ -51,11 +51,11 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
 
 
 def verify_zip(path: Path) -> None:
-    """Raise ``zipfile.BadZipFile`` unless every member of ``torch.save``'s zip archive passes its
-    CRC-32 check; a file that is no zip archive (legacy format, plain pickle) passes."""
+    """Raise ``zipfile.BadZipFile`` unless the zip archive ``path`` starts with a member, as
+    ``torch.save``'s do, and every member passes its CRC-32 check."""
     with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04" and not zipfile.is_zipfile(f):  # torch.load tests the former
-            return
+        if f.read(4) != b"PK\x03\x04":  # torch.load would unpickle the file instead
+            raise zipfile.BadZipFile("the zip archive does not start with a member")
     with zipfile.ZipFile(path) as z:
         bad = z.testzip()
     if bad is not None:
@@ -69,6 +69,9 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint {path} is a directory, not a file")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if not zipfile.is_zipfile(path):  # a legacy checkpoint or a plain pickle included: never unpickled
+        raise CheckpointError(f"refusing to load {path}: the file is damaged, truncated or not a checkpoint "
+                              "(not a zip archive written by torch.save)")
     try:
         verify_zip(path)
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
@@ -84,8 +87,9 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
 
 
 def describe(e: Exception) -> str:
-    """An exception's type and the first line of its message (torch's can run to many)."""
-    line = (str(e).splitlines() or [""])[0]
+    """An exception's type and the first line of its message (torch's can run to many) that is not
+    torch's advice on ``weights_only`` (never to be followed here)."""
+    line = next((s for s in str(e).splitlines() if s.strip() and "weights_only" not in s), "")
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
@@ -113,6 +117,14 @@ def check_model_state(model: torch.nn.Module, state: dict, source="checkpoint") 
             msg.append(f"{len(shapes)} shape mismatches, e.g. {shapes[:3]}")
         raise CheckpointError("; ".join(msg))
     return state
+
+
+def check_finite(state: dict, source="checkpoint") -> None:
+    """CheckpointError naming the tensors of ``state`` that hold a NaN or an infinity."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"{source} holds non-finite values (NaN or inf) in {len(bad)} tensors, "
+                              f"e.g. {bad[:3]}")
 
 
 def load_model_state(model: torch.nn.Module, state: dict, source="checkpoint") -> None:

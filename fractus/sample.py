@@ -2,7 +2,8 @@
 
 Each prompt is encoded with the checkpoint's tokenizer (cl100k cut to its vocabulary), prefilled
 with the chunked forward, then continued tick by tick (:meth:`FractusCTE.generate`). Sample i of
-a prompt uses seed ``--seed + i``, so a command prints the same text every time.
+a prompt uses seed ``--seed + i``, so a command prints the same text every time. A checkpoint
+with a NaN or an infinity in its weights is refused.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 
 import torch
 
-from fractus.checkpoint import CheckpointError
+from fractus.checkpoint import CheckpointError, check_finite
+from fractus.cli import device_name, natural, non_negative, number, positive_int
 from fractus.model import FractusCTE
 from fractus.tokenizer import get_tokenizer
 
@@ -30,31 +32,24 @@ def sample_text(model: FractusCTE, prompt: str, max_new_tokens: int, temperature
                                     repetition_penalty=repetition_penalty, seed=seed))
 
 
-def _number(kind, test, what):
-    def parse(text):
-        x = kind(text)
-        if not test(x):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-        return x
-    return parse
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.sample", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt", help="a checkpoint of fractus.train, fractus.merge or FractusCTE.save")
     ap.add_argument("--prompt", action="append", help=f"repeatable (default: {', '.join(map(repr, PROMPTS))})")
-    ap.add_argument("--tokens", type=_number(int, lambda n: n >= 1, "≥ 1"), default=100, help="new tokens per sample")
-    ap.add_argument("--num-samples", type=_number(int, lambda n: n >= 1, "≥ 1"), default=1)
-    ap.add_argument("--temperature", type=_number(float, lambda t: t >= 0, "≥ 0"), default=0.9, help="0 = greedy")
-    ap.add_argument("--top-k", type=_number(int, lambda n: n >= 0, "≥ 0"), default=50, help="0 = off")
-    ap.add_argument("--top-p", type=_number(float, lambda p: 0 < p <= 1, "in (0, 1]"), default=1.0)
-    ap.add_argument("--repetition-penalty", type=_number(float, lambda r: r > 0, "> 0"), default=1.0)
+    ap.add_argument("--tokens", type=positive_int, default=100, help="new tokens per sample")
+    ap.add_argument("--num-samples", type=positive_int, default=1)
+    ap.add_argument("--temperature", type=non_negative, default=0.9, help="0 = greedy")
+    ap.add_argument("--top-k", type=natural, default=50, help="0 = off")
+    ap.add_argument("--top-p", type=number(float, lambda p: 0 < p <= 1, "in (0, 1]"), default=1.0)
+    ap.add_argument("--repetition-penalty", type=number(float, lambda r: r > 0, "> 0"), default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
     try:
-        model = FractusCTE.load(a.ckpt, map_location=a.device)
+        model = FractusCTE.load(a.ckpt)
+        check_finite(model.state_dict(), a.ckpt)
+        model.to(a.device)
         for prompt in a.prompt or PROMPTS:
             for i in range(a.num_samples):
                 text = sample_text(model, prompt, a.tokens, a.temperature, a.top_k or None, a.top_p,

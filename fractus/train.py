@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from fractus.allocator import keep_freed_memory
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
+from fractus.cli import device_name, natural, non_negative, number, positive_int
 from fractus.data import TokenStreams, load_meta, load_tokens
 from fractus.grow import grow
 from fractus.kernels.backend import BACKENDS
@@ -46,33 +47,6 @@ RESUME_KEYS = ("preset", "data", "batch_size", "chunk_len", "accum", "optimizer"
 DEFAULT_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}
 
 
-def number(kind: type, lo: float, hi: float | None = None):
-    """An argparse type: a finite ``kind`` in [lo, hi]."""
-    def parse(text: str):
-        x = kind(text)
-        if not (math.isfinite(x) and lo <= x and (hi is None or x <= hi)):
-            raise argparse.ArgumentTypeError(f"must be {'finite and ' * (kind is float)}≥ {lo}"
-                                             + ("" if hi is None else f" and ≤ {hi}") + f", got {text}")
-        return x
-    parse.__name__ = kind.__name__  # argparse's "invalid int value"
-    return parse
-
-
-positive_int, natural = number(int, 1), number(int, 0)
-
-
-def device_name(text: str) -> str:
-    """An argparse type: a device this torch can use (kept as its name)."""
-    try:
-        dev = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu, cuda, cuda:N)") from None
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        raise argparse.ArgumentTypeError(f"{text!r} is not available here (this torch sees "
-                                         f"{torch.cuda.device_count()} CUDA device(s))")
-    return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fractus.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--head-positions", default="all", choices=("all", "last"))
     a("--detach-kuramoto", action="store_true")
     a("--optimizer", default="adamw", choices=("sgd", "adamw", "rmsprop"))
-    a("--lr", type=number(float, 0), default=None, help=f"peak learning rate (default: {DEFAULT_LR})")
-    a("--weight-decay", type=number(float, 0), default=0.01)
+    a("--lr", type=non_negative, default=None, help=f"peak learning rate (default: {DEFAULT_LR})")
+    a("--weight-decay", type=non_negative, default=0.01)
     a("--warmup", type=natural, default=50, help="warm-up optimizer steps")
-    a("--min-lr-ratio", type=number(float, 0, 1), default=0.1, help="cosine decay floor, as a fraction of --lr")
-    a("--grad-clip", type=number(float, 0), default=1.0, help="gradient norm clip (0 = none)")
+    a("--min-lr-ratio", type=number(float, lambda x: 0 <= x <= 1, "≥ 0 and ≤ 1"), default=0.1,
+      help="cosine decay floor, as a fraction of --lr")
+    a("--grad-clip", type=non_negative, default=1.0, help="gradient norm clip (0 = none)")
     a("--lb-coef", type=float, default=None, help="load-balance coefficient (default: config's)")
     a("--active-blocks", type=natural, default=0, help="PGSU: blocks that get weight gradients per step (0 = all)")
     a("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast (default: on for CUDA)")

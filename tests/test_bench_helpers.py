@@ -315,6 +315,32 @@ def test_provenance_reads_the_gpu_name_once(monkeypatch):
         common.cuda_name.cache_clear()
 
 
+def test_append_csv_keeps_its_rows_and_refuses_other_files(tmp_path):
+    """A row is added to a CSV of the same columns (absent or empty: created); any other file is left
+    byte for byte as it was, with a ValueError naming it."""
+    import csv
+
+    from fractus.bench.common import append_csv
+    table = tmp_path / "eval.csv"
+    table.write_text("")
+    for ce in (1.5, 2.5):
+        append_csv(table, {"checkpoint": "a.pt", "ce": ce})
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["ce"] for r in rows] == ["1.5", "2.5"] and all(r["git_sha"] for r in rows)
+    foreign = {"metrics.csv": b"step,tokens,val_ce\r\n1,128,\r\n2,256,6.1\r\n", "notes.txt": b"not a table\n",
+               "other.csv": b"checkpoint,ce\n", "binary.csv": bytes(range(256)),
+               "ragged.csv": table.read_bytes() + b"b.pt,3.5\r\n"}
+    for name, content in foreign.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=f"{name} is not a CSV"):
+            append_csv(tmp_path / name, {"checkpoint": "a.pt", "ce": 1.5})
+        assert (tmp_path / name).read_bytes() == content
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError, match="its folder cannot be created or written"):
+        append_csv(tmp_path / "file" / "eval.csv", {"ce": 1.5})
+
+
 def test_speeds_are_interleaved_and_ratios_taken_round_by_round(monkeypatch):
     a, b, c = L.Recipe(batch_size=1), L.Recipe(batch_size=2), L.Recipe(batch_size=4)
     calls = []

@@ -1,6 +1,8 @@
 """Checkpoint files: damaged bytes are caught by the zip CRCs, unreadable files and directories get
-clear errors (exit code 2 from the CLIs), and the file mode follows the umask."""
+clear errors (exit code 2 from the CLIs), and the file mode follows the umask. The evaluation and
+sampling CLIs: bad devices, non-finite weights and CSV files they cannot add to."""
 import os
+import random
 import zipfile
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
+from fractus.sample import main as sample_main
 from fractus.train import main as train_main
 from test_train import cli, make_corpus
 
@@ -70,8 +73,19 @@ def test_intact_file_with_code_is_refused_as_unsafe(tmp_path):
 
     torch.save({"config": {}, "model": {}, "x": RunsCode()}, tmp_path / "evil.pt")
     assert zipfile.ZipFile(tmp_path / "evil.pt").testzip() is None
-    with pytest.raises(CheckpointError, match="refusing to load .* could run code"):
+    with pytest.raises(CheckpointError, match="refusing to load .* could run code .*GLOBAL posix.system") as e:
         load_checkpoint(tmp_path / "evil.pt")
+    assert "weights_only" not in str(e.value), "torch's advice to load it unsafely is not repeated"
+
+
+@pytest.mark.parametrize("content", ["text", "random", "tokens"])
+def test_files_that_are_no_zip_archive_are_not_checkpoints(tmp_path, content):
+    bad = {"text": b"step,tokens\n1,128\n", "random": random.Random(0).randbytes(4096),
+           "tokens": bytes(range(256)) * 8}[content]  # a train.bin: was "could run code"
+    (tmp_path / "bad.pt").write_bytes(bad)
+    with pytest.raises(CheckpointError, match=rf"{UNREADABLE} \(not a zip archive written by torch.save\)$") as e:
+        load_checkpoint(tmp_path / "bad.pt")
+    assert "weights_only" not in str(e.value)
 
 
 def test_directories_are_named_so(tmp_path):
@@ -108,4 +122,45 @@ def test_clis_exit_2_on_unreadable_checkpoints(data, tmp_path, capsys, cmd, cont
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2
-    assert f"error: cannot read checkpoint {out / 'ckpt.pt'}: the file is {UNREADABLE}" in capsys.readouterr().err
+    assert f"error: refusing to load {out / 'ckpt.pt'}: the file is {UNREADABLE}" in capsys.readouterr().err
+
+
+def test_clis_name_bad_devices_and_non_finite_weights(data, tmp_path, capsys):
+    model = FractusCTE(FractusConfig.preset("tiny", vocab_size=512))
+    model.save(tmp_path / "ok.pt")
+    bad = {"bogus": "not a device: 'bogus'"}
+    if not torch.cuda.is_available():
+        bad["cuda"] = "'cuda' is not available"
+    for main, args in ((evaluate_main, ["--data", str(data)]), (sample_main, ["--tokens", "2"])):
+        for device, msg in bad.items():  # was "damaged, truncated or not a checkpoint"
+            with pytest.raises(SystemExit) as e:
+                main([str(tmp_path / "ok.pt"), *args, "--device", device])
+            assert e.value.code == 2 and f"argument --device: {msg}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        sample_main([str(tmp_path / "ok.pt"), "--temperature", "inf"])
+    assert e.value.code == 2 and "must be finite and ≥ 0, got inf" in capsys.readouterr().err
+    with torch.no_grad():
+        model.embed.weight.fill_(float("nan"))
+    model.save(tmp_path / "nan.pt")
+    with pytest.raises(SystemExit) as e:
+        sample_main([str(tmp_path / "nan.pt"), "--prompt", "To be", "--tokens", "2"])
+    assert e.value.code == 2 and "holds non-finite values (NaN or inf)" in capsys.readouterr().err
+    table = tmp_path / "eval.csv"
+    with pytest.raises(SystemExit) as e:
+        evaluate_main([str(tmp_path / "nan.pt"), "--data", str(data), "--tokens", "64", "--csv", str(table)])
+    assert e.value.code == 2 and "gives a non-finite CE (nan)" in capsys.readouterr().err
+    assert not table.exists(), "nothing written"
+
+
+def test_evaluate_refuses_a_csv_it_cannot_add_to_before_evaluating(data, tmp_path, capsys):
+    foreign = tmp_path / "metrics.csv"
+    foreign.write_text("step,tokens,lr\n1,128,0.1\n")  # a trainer's
+    (tmp_path / "b.csv").write_bytes(bytes(range(256)))
+    (tmp_path / "f.txt").write_text("a file, not a folder\n")
+    for path, msg in ((foreign, "metrics.csv is not a CSV of the columns checkpoint, data, split"),
+                      (tmp_path / "b.csv", "b.csv is not a CSV file"),
+                      (tmp_path / "f.txt" / "x.csv", "its folder cannot be created or written")):
+        with pytest.raises(SystemExit) as e:  # the checkpoint is not even looked at
+            evaluate_main([str(tmp_path / "none.pt"), "--data", str(data), "--csv", str(path)])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert foreign.read_text() == "step,tokens,lr\n1,128,0.1\n"

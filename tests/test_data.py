@@ -1,8 +1,11 @@
-"""Tokenizer, corpus preparation and the contiguous token streams."""
+"""Tokenizer, corpus preparation (prepared data never replaced unasked, damaged data named) and
+the contiguous token streams."""
+import json
+
 import numpy as np
 import pytest
 
-from fractus.data import (VAL_PLAYS, TokenStreams, load_meta, load_tokens, prepare,
+from fractus.data import (VAL_PLAYS, TokenStreams, load_meta, load_tokens, main, prepare,
                           shakespeare_plays, split_documents, strip_markdown)
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 
@@ -74,6 +77,58 @@ def test_bad_corpora(tmp_path):
         prepare(str(tmp_path / "missing"), tmp_path / "o4", vocab_size=512)
     with pytest.raises(FileNotFoundError, match="prepare"):
         load_meta(tmp_path / "nothing")
+
+
+def test_prepare_refuses_prepared_data_unless_forced(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("line one\n" * 200)
+    (tmp_path / "b.txt").write_text("another corpus\n" * 300)
+    out = tmp_path / "out"
+    prepare(str(tmp_path / "a.txt"), out, vocab_size=512)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--input", str(tmp_path / "b.txt"), "--out", str(out), "--vocab", "512"])
+    assert e.value.code == 2
+    assert "already holds prepared data (meta.json)" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    main(["prepare", "--input", str(tmp_path / "b.txt"), "--out", str(out), "--vocab", "512", "--force"])
+    assert load_meta(out)["source"] == str(tmp_path / "b.txt")
+    (tmp_path / "f.txt").write_text("a file, not a folder\n")
+    with pytest.raises(SystemExit) as e:  # NotADirectoryError: was a traceback
+        main(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "f.txt" / "d")])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: ")
+
+
+def test_hidden_directories_are_skipped(tmp_path):
+    d = tmp_path / "corpus"
+    (d / ".git").mkdir(parents=True)
+    (d / ".git" / "index").write_bytes(b"DIRC\xff\xfe\x00")  # not UTF-8
+    for i in range(3):
+        (d / f"doc{i}.txt").write_text(f"Document number {i}. " * 50)
+    meta = prepare(str(d), tmp_path / "out", vocab_size=512)
+    assert sorted(meta["train"]["documents"] + meta["val"]["documents"]) == ["doc0.txt", "doc1.txt", "doc2.txt"]
+
+
+@pytest.mark.parametrize("damage,msg", [("json", "Expecting"), ("no val", "val.tokens is missing, not int"),
+                                        ("str vocab", "vocab_size is '512', not int"),
+                                        ("list", "vocab_size is missing")])
+def test_damaged_meta_is_named(tmp_path, damage, msg):
+    (tmp_path / "c.txt").write_text("line one\n" * 200)
+    meta = prepare(str(tmp_path / "c.txt"), tmp_path / "out", vocab_size=512)
+    text = {"json": json.dumps(meta)[:-3], "no val": json.dumps({k: v for k, v in meta.items() if k != "val"}),
+            "str vocab": json.dumps({**meta, "vocab_size": "512"}), "list": "[]"}[damage]
+    (tmp_path / "out" / "meta.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"out/meta.json is damaged \(.*{msg}.*\): prepare the data again"):
+        load_meta(tmp_path / "out")
+
+
+def test_token_files_of_the_wrong_size_are_named(tmp_path):
+    (tmp_path / "c.txt").write_text("line one\n" * 200)
+    n = prepare(str(tmp_path / "c.txt"), tmp_path / "out", vocab_size=512)["train"]["tokens"]
+    with open(tmp_path / "out" / "train.bin", "ab") as f:
+        f.write(b"\0")  # half a token: was numpy's "not a multiple of the data-type size"
+    with pytest.raises(ValueError, match=f"train.bin holds {2 * n + 1:,} bytes but meta.json says {n:,} tokens "
+                                         "of 2 bytes.*prepare it again"):
+        load_tokens(tmp_path / "out", "train")
 
 
 def test_token_streams_are_contiguous_and_resumable():

@@ -151,3 +151,31 @@ def test_merge_refuses_a_directory_as_output(tmp_path, capsys):
         main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "-o", str(tmp_path / "m")])
     assert e.value.code == 2 and "it is a directory" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "b.pt", "m"], "nothing written"
+
+
+def test_merge_refuses_an_existing_output_unless_forced(tmp_path, capsys):
+    base = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
+    a, b, out = tmp_path / "a.pt", tmp_path / "b.pt", tmp_path / "ckpt.pt"
+    train_ckpt(a, shard(base, 1))
+    train_ckpt(b, shard(base, 2))
+    train_ckpt(out, shard(base, 3))  # a training run's resumable checkpoint
+    before = out.read_bytes()
+    with pytest.raises(SystemExit) as e:
+        main([str(a), str(b), "-o", str(out)])
+    assert e.value.code == 2 and "the file exists (--force replaces it)" in capsys.readouterr().err
+    assert out.read_bytes() == before
+    main([str(a), str(b), "-o", str(out), "--force"])
+    assert "step" not in load_checkpoint(out) and load_checkpoint(out)["merged_from"] == [str(a), str(b)]
+
+
+def test_merge_refuses_a_non_finite_mean(tmp_path, capsys):
+    base = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
+    bad = shard(base, 2)
+    with torch.no_grad():
+        bad.embed.weight[0, 0] = float("inf")
+    train_ckpt(tmp_path / "a.pt", shard(base, 1))
+    train_ckpt(tmp_path / "b.pt", bad)
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "-o", str(tmp_path / "m.pt")])
+    assert e.value.code == 2 and "the merge holds non-finite values (NaN or inf)" in capsys.readouterr().err
+    assert not (tmp_path / "m.pt").exists()

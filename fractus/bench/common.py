@@ -12,6 +12,7 @@ import platform
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -246,13 +247,32 @@ def write_csv(path: str | Path, rows: Iterable[dict], device: torch.device | str
 
 def append_csv(path: str | Path, row: dict, device: torch.device | str = "cpu") -> Path:
     """Add ``row`` with its provenance to the CSV at ``path`` (created if absent), keeping the
-    rows already there as they are."""
+    rows already there as they are; refused as :func:`csv_rows` says."""
+    row = {**row, **provenance(device)}
+    return _write_rows(path, [*csv_rows(path, list(row)), row])
+
+
+def csv_rows(path: str | Path, columns: list[str]) -> list[dict]:
+    """The rows of the CSV at ``path`` ([] if absent or empty), once it is known that a row of
+    ``columns`` can be added: ValueError naming the file unless it is a CSV of exactly these
+    columns, OSError unless its folder can be written."""
     path = Path(path)
-    old = []
+    lines = []
     if path.exists():
-        with open(path, newline="") as f:
-            old = list(csv.DictReader(f))
-    return _write_rows(path, [*old, {**row, **provenance(device)}])
+        try:
+            with open(path, newline="") as f:
+                lines = [r for r in csv.reader(f) if r]
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise ValueError(f"{path} is not a CSV file ({e}): refusing to add a row to it") from None
+        if lines and (lines[0] != columns or any(len(r) != len(columns) for r in lines)):
+            raise ValueError(f"{path} is not a CSV of the columns {', '.join(columns)}: refusing to add a "
+                             "row to it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        raise OSError(f"cannot write {path}: its folder cannot be created or written ({e.strerror})") from None
+    return [dict(zip(columns, r)) for r in lines[1:]]
 
 
 def _write_rows(path: str | Path, rows: list[dict]) -> Path:
