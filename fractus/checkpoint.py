@@ -62,8 +62,8 @@ def verify_zip(path: Path) -> None:
         raise zipfile.BadZipFile(f"member {bad} fails its CRC-32 or header check")
 
 
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    """Read a checkpoint with ``weights_only=True``; raise :class:`CheckpointError` on any defect."""
+def load_checkpoint(path: str | Path) -> dict:
+    """Read a checkpoint onto the CPU with ``weights_only=True``; raise :class:`CheckpointError` on any defect."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a directory, not a file")
@@ -74,7 +74,7 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
                               "(not a zip archive written by torch.save)")
     try:
         verify_zip(path)
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and "
                               f"plain values, which could run code ({describe(e)})") from None

@@ -509,9 +509,10 @@ class FractusCTE(nn.Module):
         save_checkpoint(path, {"config": self.cfg.to_dict(), "model": self.state_dict(), **extra})
 
     @classmethod
-    def load(cls, path, map_location="cpu") -> "FractusCTE":
+    def load(cls, path) -> "FractusCTE":
+        """The model of a checkpoint, on the CPU (``.to(device)`` moves it)."""
         from fractus.checkpoint import load_checkpoint, load_model_state
-        ckpt = load_checkpoint(path, map_location)
+        ckpt = load_checkpoint(path)
         model = cls(FractusConfig.from_dict(ckpt["config"]))
         load_model_state(model, ckpt["model"], path)
         return model
@@ -519,7 +520,9 @@ class FractusCTE(nn.Module):
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
            repetition_penalty: float, seen: torch.Tensor, gen: torch.Generator) -> int:
-    """Pick one token id from logits [V]."""
+    """Pick one token id from logits [V]; ValueError if they are not finite."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError("the model's logits hold NaN or inf: its weights or activations overflowed")
     if repetition_penalty != 1.0:
         pen = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
         logits = torch.where(seen, pen, logits)
