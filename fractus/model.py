@@ -520,9 +520,7 @@ class FractusCTE(nn.Module):
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
            repetition_penalty: float, seen: torch.Tensor, gen: torch.Generator) -> int:
-    """Pick one token id from logits [V]; ValueError if they are not finite."""
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("the model's logits hold NaN or inf: its weights or activations overflowed")
+    """Pick one token id from logits [V]."""
     if repetition_penalty != 1.0:
         pen = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
         logits = torch.where(seen, pen, logits)
