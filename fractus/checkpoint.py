@@ -51,11 +51,8 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
 
 
 def verify_zip(path: Path) -> None:
-    """Raise ``zipfile.BadZipFile`` unless the zip archive ``path`` starts with a member, as
-    ``torch.save``'s do, and every member passes its CRC-32 check."""
-    with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04":  # torch.load would unpickle the file instead
-            raise zipfile.BadZipFile("the zip archive does not start with a member")
+    """Raise ``zipfile.BadZipFile`` unless every member of the zip archive ``path`` passes its
+    CRC-32 check."""
     with zipfile.ZipFile(path) as z:
         bad = z.testzip()
     if bad is not None:
@@ -69,7 +66,9 @@ def load_checkpoint(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is a directory, not a file")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if not zipfile.is_zipfile(path):  # a legacy checkpoint or a plain pickle included: never unpickled
+    with open(path, "rb") as f:  # torch.save's zip archive starts with a member; torch.load would
+        is_zip = f.read(4) == b"PK\x03\x04"  # unpickle anything else (a legacy checkpoint, a plain pickle)
+    if not is_zip:
         raise CheckpointError(f"refusing to load {path}: the file is damaged, truncated or not a checkpoint "
                               "(not a zip archive written by torch.save)")
     try:
