@@ -6,7 +6,8 @@ optimizer step accumulates ``--accum`` micro-steps. Validation reports cross-ent
 nats/token, bits per byte and perplexity on the held-out split. Checkpoints hold model,
 optimizer, scheduler, data position, every process's carried state and RNG, and are written
 atomically; ``--resume`` continues exactly. ``--grow-from CKPT`` starts from a checkpoint grown to the
-preset (:mod:`fractus.grow`: same logits) with a fresh optimizer. SIGINT/SIGTERM save and exit.
+preset (:mod:`fractus.grow`: same logits) with a fresh optimizer. SIGINT/SIGTERM save, then exit with
+code 128 + the signal's number (130, 143); ``--stop-after`` saves and exits with 0.
 Several processes:
 ``torchrun --nproc_per_node=N -m fractus.train …`` (DDP; gloo on CPU, NCCL on CUDA; gradients are
 all-reduced once per optimizer step, on its last micro-step).
@@ -236,6 +237,14 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+class Interrupted(Exception):
+    """Training stopped by a signal (this process's ``signum``, else SIGTERM: a peer's); saved."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class Stop:
     """Set by SIGINT/SIGTERM: the trainer finishes its step, saves and exits. A SIGTERM that a
     caller's own Python handler was waiting for (e.g. the GPU suite's) is handed on to it then."""
@@ -424,7 +433,8 @@ def train(argv=None) -> dict:
 
     net = model
     if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ids = [device.index] if device.type == "cuda" else None
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     fwd = torch.compile(net) if args.compile else net
     token_bytes = token_byte_lengths(get_tokenizer(cfg.vocab_size))
 
@@ -453,7 +463,7 @@ def train(argv=None) -> dict:
               f"{tokens_per_step:,} tokens/step, lr {lr:g} ({args.optimizer}), {total_steps} steps")
     bar = tqdm(total=total_steps, initial=step, disable=not master or args.no_progress,
                unit="step", dynamic_ncols=True)
-    last, stopping, first_step = {}, False, step
+    last, signalled, stopping, first_step = {}, False, False, step
     with Stop() as stop:
         while step < total_steps and not stopping:
             t0 = time.perf_counter()
@@ -465,7 +475,7 @@ def train(argv=None) -> dict:
             batches = (streams.next() for _ in range(args.accum))
             ce, lb, state, finite = micro_steps(fwd, batches, state, args.accum, args.head_positions,
                                                 device, bf16, net.no_sync if world > 1 else None)
-            finite, stopping, ce, lb = agree(finite, stop.requested, ce, lb, device, world)
+            finite, signalled, ce, lb = agree(finite, stop.requested, ce, lb, device, world)
             norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
             grad_norm = float(norm) if finite else float("nan")
             if not math.isfinite(grad_norm):  # a finite loss can still overflow in the backward
@@ -488,8 +498,8 @@ def train(argv=None) -> dict:
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
-            stopping = stopping or (args.stop_after is not None and step - first_step >= args.stop_after
-                                    and step < total_steps)
+            stopping = signalled or (args.stop_after is not None and step - first_step >= args.stop_after
+                                     and step < total_steps)
             dt = time.perf_counter() - t0
             elapsed += dt
             last = {"step": step, "tokens": step * tokens_per_step, "lr": sched.get_last_lr()[0],
@@ -506,8 +516,8 @@ def train(argv=None) -> dict:
                 append_metrics(metrics_path, last)
             if args.ckpt_every and step % args.ckpt_every == 0:
                 save()
-    bar.close()
-    save()
+        bar.close()
+        save()  # before a caller's SIGTERM handler runs (Stop's exit)
     if stopping:
         if master:
             print(f"stopped at step {step} of {total_steps}: checkpoint saved to {ckpt_path}; "
@@ -525,6 +535,8 @@ def train(argv=None) -> dict:
                 print(f"--- {p!r} →{sample_text(model, p, args.sample_tokens, seed=args.seed)!r}")
     if world > 1:  # also after a stop: a process that exits without it can abort (seen with torch 2.11, gloo)
         dist.destroy_process_group()
+    if signalled:
+        raise Interrupted(stop.signum or signal.SIGTERM)
     return last
 
 
@@ -535,6 +547,8 @@ def main(argv=None) -> None:
     except (ValueError, OSError, NonFiniteLoss, CheckpointError) as e:  # OSError: e.g. a full disk while saving
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Interrupted as e:  # saved; not 0, so that `train && evaluate` does not go on
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:  # outside the training loop (set-up, final validation, samples)
         print("interrupted; --resume continues from the last checkpoint, if one was written", file=sys.stderr)
         sys.exit(130)

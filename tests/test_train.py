@@ -102,15 +102,17 @@ def test_stop_after_then_resume_equals_uninterrupted(data, reference, tmp_path, 
     assert metrics(out) == reference
 
 
-def test_sigterm_saves_where_it_stopped(data, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_where_it_stopped_and_exits_with_its_code(data, tmp_path, signum):
+    """Saved and resumable, but not 0: `train && evaluate` must not go on (130 for Ctrl-C, 143 for SIGTERM)."""
     out = tmp_path / "run"
     proc = popen(cli(data, out))
     try:
         wait_for_rows(proc, out, 3)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
     finally:
         stdout, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and "checkpoint saved" in stdout and "rerun with --resume" in stdout
+    assert proc.returncode == 128 + signum and "checkpoint saved" in stdout and "rerun with --resume" in stdout
     step = load_checkpoint(out / "ckpt.pt")["step"]
     assert 3 <= step < STEPS and int(metrics(out)[-1]["step"]) == step
 
