@@ -30,6 +30,8 @@ def _run(fn, h, w, t, g=2.5, **kw):
 
 def _compare(backend_name, N, V, d, **kw):
     h, w, t = _inputs(N, V, d)
+    if "ignore_index" in kw:  # the ignored rows relabelled; -100 becomes an ordinary (out of range) id
+        t[t == -100] = kw["ignore_index"]
     if kw.get("positions") == "subset":
         kw["positions"] = torch.tensor([N - 1, 0, 3, 3, N // 2, 2])
     ref = _run(linear_cross_entropy_reference, h, w, t, **kw)
@@ -39,11 +41,13 @@ def _compare(backend_name, N, V, d, **kw):
         assert_rel(x, r, TOL, f"{backend_name} {what}")
 
 
+V_IGNORED = 7  # a custom ignore_index that is also a valid token id: those rows are not scored
 OPTIONS = [
     dict(),
     dict(reduction="sum", z_loss=1e-3),
     dict(softcap=4.0, positions="subset"),
     dict(reduction="sum", z_loss=1e-2, softcap=3.0, positions="subset"),
+    dict(ignore_index=V_IGNORED),
 ]
 
 
@@ -54,7 +58,7 @@ def small_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("N,V,d", [(37, 127, 48), (300, 8192, 128), (150, 50257, 48)])
-@pytest.mark.parametrize("kw", OPTIONS, ids=["mean", "sum-z", "cap-pos", "all"])
+@pytest.mark.parametrize("kw", OPTIONS, ids=["mean", "sum-z", "cap-pos", "all", "ignore7"])
 def test_torch_path(small_chunks, N, V, d, kw):
     _compare("torch", N, V, d, **kw)
 
@@ -64,6 +68,7 @@ def test_torch_path(small_chunks, N, V, d, kw):
     (37, 300, 48, dict(reduction="sum", z_loss=1e-2, softcap=3.0)),
     (20, 8192, 128, dict(z_loss=1e-3, positions="subset")),
     (5, 50257, 48, dict(reduction="sum", softcap=4.0)),
+    (37, 127, 48, dict(ignore_index=V_IGNORED, positions="subset")),
 ])
 def test_triton_path(N, V, d, kw):
     _compare("triton", N, V, d, **kw)

@@ -62,6 +62,24 @@ def test_gpu_suite_dry_run(dry_run):
     assert prov["baselines"] == {"fla-core": "0.6.0", "liger-kernel": "0.8.5"}
 
 
+def test_the_summary_prints_a_pass_fail_table_per_kernel_and_dtype(dry_run, capsys):
+    from fractus.bench.gpu import pass_fail_table, print_summary
+    _, tables = dry_run
+    checks = pd.concat([t for n, t in tables.items() if n.startswith("correctness_")], ignore_index=True)
+    dense = checks["kernel"] == "moe_dense"
+    checks["passed"] &= ~dense  # as if the dense experts had failed
+    table = pass_fail_table(checks)
+    assert len(table) == checks.groupby(["kernel", "dtype"]).ngroups and table["checks"].sum() == len(checks)
+    assert (table.loc["moe_dense", "passed"] == 0).all()
+    assert (table.drop(index="moe_dense", level=0).eval("passed == checks")).all()
+    assert (table["worst_err_over_tol"] < 1).all()
+    others = {n: t for n, t in tables.items() if not n.startswith("correctness_")}
+    print_summary({**others, "correctness_all": checks}, 1.0)
+    out = capsys.readouterr().out
+    assert f"kernel checks: {len(checks) - dense.sum()}/{len(checks)} passed" in out
+    assert table.to_string(float_format=lambda x: f"{x:.2g}") in out
+
+
 def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
     """Notebooks 01-04 say "not measured" until results/gpu/ exists; here their GPU sections run on
     a dry run's tables (FRACTUS_GPU_RESULTS), with training rows relabelled as the sweep's (one

@@ -124,9 +124,9 @@ def test_training_loss_decreases():
     assert losses[-1] < 0.7 * losses[0]
 
 
-@pytest.mark.parametrize("fused_ce", [True, False])
-def test_head_positions_last_supervises_last_position_only(fused_ce):
-    model = FractusCTE(FractusConfig.preset("tiny", fused_ce=fused_ce))
+@pytest.mark.parametrize("fused_ce,backend", [(True, "torch"), (False, "torch"), (True, "triton")])
+def test_head_positions_last_supervises_last_position_only(fused_ce, backend):
+    model = FractusCTE(FractusConfig.preset("tiny", fused_ce=fused_ce, backend=backend))
     x = torch.randint(0, 512, (3, 8))
     y = torch.randint(0, 512, (3, 8))
     _, parts, _ = model(x, targets=y, head_positions="last")

@@ -143,7 +143,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
     for r in rows:
         if "time_s" not in r:
             continue
-        for other in ("naive", "liger"):
+        for other in ("naive", "compiled", "liger"):
             if other in timed and other != r["impl"]:
                 r[f"time_vs_{other}"] = r["time_s"] / timed[other]["time_s"]
                 if "peak_bytes" in r:

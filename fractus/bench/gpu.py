@@ -5,12 +5,14 @@
 2. every Triton kernel compiled for real and checked against its reference in fp32 and bf16
    (and the Kuramoto clock's kernels and fused path against plain autograd); the trainer's CLI
    on the device: a run stopped and resumed against an uninterrupted one;
-3. end-to-end bf16 training throughput, peak memory and MFU per preset over a batch sweep;
+3. end-to-end bf16 training throughput, peak memory and MFU per preset over a batch sweep
+   (chunk 128, accum 1, SGD: the model's own cost, without AdamW's passes over the weights);
 4. each kernel timed against its baselines (fla / Liger side by side when installed, and
    torch.compile: these compile and autotune, so they come after the training target), then
    tick-by-tick generation tokens/s, the lever stack and the profiler breakdown (notebooks 01, 02);
 5. CSVs under ``results/gpu/`` (read by the notebooks), ``targets.csv`` (each target of the
-   issues: met, missed or not measured) and a summary printed last.
+   issues: met, missed or not measured) and a summary printed last (a pass/fail table per kernel
+   and dtype, the training sweep, generation, the targets).
 
 A failing stage is recorded in ``failures.csv`` and the suite goes on (after one that leaves
 CUDA's context unusable, e.g. an illegal memory access, in a fresh process); with ``--budget-s`` a
@@ -497,12 +499,20 @@ def target_rows(tables: dict[str, pd.DataFrame]) -> list[dict]:
     return rows
 
 
+def pass_fail_table(checks: pd.DataFrame) -> pd.DataFrame:
+    """Per (kernel, dtype): checks passed, checks made, and the worst rel_err / tol."""
+    return (checks.assign(err_over_tol=checks["rel_err"] / checks["tol"])
+            .groupby(["kernel", "dtype"], sort=False)
+            .agg(passed=("passed", "sum"), checks=("passed", "size"), worst_err_over_tol=("err_over_tol", "max")))
+
+
 def print_summary(tables: dict[str, pd.DataFrame], seconds: float) -> None:
     print(f"\n===== GPU suite summary ({seconds:.0f} s) =====")
     checks = [t for name, t in tables.items() if name.startswith("correctness_")]
     if checks:
         c = pd.concat(checks, ignore_index=True)
         print(f"kernel checks: {int(c['passed'].sum())}/{len(c)} passed")
+        print(pass_fail_table(c).to_string(float_format=lambda x: f"{x:.2g}"))
         bad = c[~c["passed"].astype(bool)]
         if len(bad):
             print(bad.to_string(index=False, max_colwidth=40))

@@ -13,7 +13,8 @@ Returns o [B, T, H, D] in q's dtype and the state after the last position (S, z)
 Paths, in order: the fp32 token-by-token reference, the chunked PyTorch path (levels folded
 into the head axis, the denominator as a ones column appended to v, state carried chunk to
 chunk), the Triton kernels (a sequential chunk-state pass plus a parallel output pass; backward
-recomputes chunk states and runs the reverse recurrence; a one-launch decode kernel for small T),
+recomputes chunk states and runs the reverse recurrence, from each level's output y and
+denominator kept in fp32 by the forward; a one-launch decode kernel for small T),
 and :func:`linear_attention`, which dispatches through :func:`fractus.kernels.backend.pick`.
 """
 from __future__ import annotations

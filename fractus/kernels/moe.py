@@ -577,7 +577,8 @@ class _LowRankMoE(torch.autograd.Function):
 
 
 class _DenseExperts(torch.autograd.Function):
-    """Dense experts on routing tiles with grouped GEMMs: x [N, d] → f [N, K, d] (ungated)."""
+    """Dense experts on routing tiles with grouped GEMMs: x [N, d] → f [N, K, d] (ungated). The
+    hidden pre-activation z [N·K, F] is written and kept for backward (unlike the low-rank kernels)."""
 
     @staticmethod
     def forward(ctx, x, idx, W1, b1, W2, b2):
