@@ -8,7 +8,7 @@ from fractus.kernels import cross_entropy as ce_mod
 from fractus.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from util import assert_lowp, assert_rel
 
-TOL = 1e-4
+TOL = 1e-5  # fp32 vs the fp32 reference (measured errors are below 1e-6)
 
 
 def _inputs(N, V, d, dtype=torch.float32, ignore_every=5):
@@ -103,7 +103,7 @@ def test_triton_gpu_tiles(monkeypatch, dtype):
         if dtype == torch.float32:
             assert_rel(x, r, TOL, f"GPU tiles {what}")
         else:
-            assert_lowp(x.float(), s.float(), r, 2e-3, f"GPU tiles fp16 {what}")
+            assert_lowp(x.float(), s.float(), r, 3e-4, f"GPU tiles fp16 {what}")
 
 
 @pytest.mark.parametrize("path,N,V,d", [("torch", 37, 300, 48), ("triton", 37, 300, 48), ("triton", 20, 8192, 128)])
@@ -123,7 +123,7 @@ def test_fp16(small_chunks, path, N, V, d):
     out = _run(lambda *a, **k: linear_cross_entropy(*a, backend=path, **k), h, w, t)
     assert out[2].dtype == torch.float16 and out[3].dtype == torch.float16
     for x, s, r, what in zip(out, same, truth, ("loss", "per-token ce", "dH", "dW")):
-        assert_lowp(x.float(), s.float(), r, 2e-3, f"{path} fp16 {what}")
+        assert_lowp(x.float(), s.float(), r, 3e-4, f"{path} fp16 {what}")
 
 
 @pytest.mark.parametrize("path", ["torch", "triton", "reference"])

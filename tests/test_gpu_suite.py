@@ -290,3 +290,20 @@ def test_the_outcome_is_written_after_every_stage(tmp_path, monkeypatch):
     assert seen == [(["correctness_kuramoto"], []), (["correctness_kuramoto"], ["generation"])]
     targets = pd.DataFrame(gpu.target_rows({}))
     assert targets["met"].isna().all()  # nothing measured, nothing met or missed
+
+
+def test_the_correctness_stages_run_with_poisoned_outputs(tmp_path, monkeypatch):
+    """Their checks see NaN wherever a kernel left an output unwritten (also outside pytest's poisoning)."""
+    import time
+
+    from fractus.bench import cross_entropy, gpu
+    from fractus.kernels import backend
+    seen = []
+
+    def rows(device, smoke):
+        seen.append(backend._POISON)
+        return [{"kernel": "x", "dtype": "float32", "check": "y", "rel_err": 0.0, "tol": 1.0, "passed": True}]
+    monkeypatch.setattr(cross_entropy, "correctness_rows", rows)
+    backend.set_poison(False)
+    gpu.run_stages(tmp_path, ["correctness_cross_entropy", "timing_cross_entropy"], True, time.time())
+    assert seen == [True] and not backend._POISON

@@ -10,6 +10,7 @@ from util import Launches, assert_lowp, assert_rel
 
 PHI = (1 + 5 ** 0.5) / 2
 OMEGAS = [PHI ** (-2 * l) for l in range(2)]
+FP32_TOL = 1e-5  # fp32 paths vs the fp64 truth (measured errors are below 1e-6)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,7 +80,7 @@ def test_torch_path_vs_reference(T, D, decay, state):
     truth = run(inputs, torch.float64, backend="reference")
     got = run(inputs, torch.float32, backend="torch")
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
-    compare(got, truth, 1e-4, T, state)
+    compare(got, truth, FP32_TOL, T, state)
     for x, ref in zip(got[:3], truth[:3]):  # the lead's decode == chunked check runs at 1e-5
         assert_rel(x.double(), ref, 1e-5, "forward")
 
@@ -103,7 +104,7 @@ def test_triton_vs_reference(T, D, decay, state):
     inputs = make(2, T, 2, D, decay, state)
     truth = run(inputs, torch.float64, backend="reference")
     got = run(inputs, torch.float32, backend="triton")
-    compare(got, truth, 1e-4, T, state)
+    compare(got, truth, FP32_TOL, T, state)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
@@ -112,7 +113,7 @@ def test_eps_zero(path):
     inputs = make(2, 20, 2, 32, True, True)
     truth = run(inputs, torch.float64, backend="reference", eps=0.0)
     got = run(inputs, torch.float32, backend=path, eps=0.0)
-    compare(got, truth, 1e-4, 20, True)
+    compare(got, truth, FP32_TOL, 20, True)
 
 
 @pytest.fixture
@@ -160,7 +161,7 @@ def test_level_counts(path, levels):
     inputs = make(3, 70, 2, 32, True, True, levels=levels)
     truth = run(inputs, torch.float64, backend="reference")
     got = run(inputs, torch.float32, backend=path)
-    compare(got, truth, 1e-4, 70, True)
+    compare(got, truth, FP32_TOL, 70, True)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
@@ -179,7 +180,7 @@ def test_partial_losses(path):
             if ref is None:  # the final state does not depend on q
                 assert x is None or not x.any(), what
             else:
-                assert_rel(x.double(), ref, 1e-4, what)
+                assert_rel(x.double(), ref, FP32_TOL, what)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
@@ -232,7 +233,7 @@ def _assert_fp16(inputs, grad, path, state_loss=True):
     for name, x, r, t in zip(NAMES, got, ref16, truth):
         # dw = Σ dO·y_l over B·T·H·D terms that largely cancel: the fp16 rounding of the dot
         # operands in y (~3e-4) comes out ~10x larger there; the references compute y in fp32.
-        assert_lowp(x, r, t, 3e-3 if name == "dw" else 1e-3, name)
+        assert_lowp(x, r, t, 3e-3 if name == "dw" else 5e-4, name)
 
 
 @pytest.mark.parametrize("path,T,grad", [("torch", 40, True), ("triton", 100, True), ("triton", 5, False)])

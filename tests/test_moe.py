@@ -41,13 +41,21 @@ def run(backend, x, idx, w, ex, dy):
     return (y, *torch.autograd.grad(y, [x, w, *ex.values()], dy))
 
 
-def check(backend, N, E, K, lowrank=True, r=16, route="random", tol=1e-4, d=D, F=FF):
+def truth(x, idx, w, ex, dy):
+    """The reference in fp64: what every path is judged against."""
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    return run("reference", x64, idx, w64, {k: v.detach().double().requires_grad_() for k, v in ex.items()},
+               dy.double())
+
+
+def check(backend, N, E, K, lowrank=True, r=16, route="random", tol=3e-5, d=D, F=FF):
+    """Output and every gradient vs the fp64 truth (3e-5: s1, s2 sum every token of an expert,
+    and with all 29 on one the fp32 sum's rounding reaches 1.5e-5)."""
     ex = make_experts(E, d, F, r=r, lowrank=lowrank)
     x, idx, w = make_inputs(N, E, K, d, route=route)
     dy = torch.randn(N, d)
     got = run(backend, x, idx, w, ex, dy)
-    ref = run("reference", x, idx, w, ex, dy)
-    for name, a, b in zip(["y", "dx", "dw", *ex], got, ref):
+    for name, a, b in zip(["y", "dx", "dw", *ex], got, truth(x, idx, w, ex, dy)):
         assert_rel(a, b, tol, f"{backend} {name}")
 
 
@@ -214,4 +222,4 @@ def test_triton_fp16_lowp(lowrank, masters):
     assert got[0].dtype == torch.float16
     assert [g.dtype for g in got[3:]] == [v.dtype for v in ex.values()]
     for name, a, b, t in zip(["y", "dx", "dw", *ex], got, same, truth):
-        assert_lowp(a, b, t, 2e-3, f"triton fp16 {name}")
+        assert_lowp(a, b, t, 3e-4, f"triton fp16 {name}")

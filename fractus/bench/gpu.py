@@ -44,6 +44,7 @@ from fractus.bench.common import check_rows, cuda_context_lost, cuda_name, media
 from fractus.bench.costmodel import H200_DATASHEET, H200_NVL_BF16_TFLOPS, flops_per_token
 from fractus.bench.train import measure_training
 from fractus.data import prepare, write_toy_corpus
+from fractus.kernels import backend as _backend
 from fractus.model import FractusConfig, FractusCTE
 from fractus.train import train
 
@@ -269,9 +270,13 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
     def bench(k: str):
         return importlib.import_module(f"fractus.bench.{k}")
     fns = {"ceilings": measure_ceilings, "precompile": lambda: precompile_rows(dry_run)}
+    def poisoned(rows: Callable[[], Iterable[dict]]) -> list[dict]:
+        """The checks run with NaN-filled kernel outputs, so that unwritten elements fail them."""
+        with _backend.poisoned():
+            return list(rows())
     for k in KERNELS:
-        fns[f"correctness_{k}"] = lambda k=k: bench(k).correctness_rows(device, smoke=dry_run)
-    fns["correctness_kuramoto"] = lambda: kuramoto_rows(device, dry_run, timing=False)
+        fns[f"correctness_{k}"] = lambda k=k: poisoned(lambda: bench(k).correctness_rows(device, smoke=dry_run))
+    fns["correctness_kuramoto"] = lambda: poisoned(lambda: kuramoto_rows(device, dry_run, timing=False))
     fns["trainer_resume"] = lambda: trainer_rows(device, dry_run)
     # the training target before the kernels' timings: those also compile and autotune the baselines
     fns["train_throughput"] = lambda: train_rows(device, dry_run, peak_tflops())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -34,6 +35,12 @@ def pick(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+def dot_precision(x: torch.Tensor) -> str:
+    """``tl.dot``'s input_precision for inputs like x: IEEE for fp32 (TF32 would cost ~1e-3
+    relative error), "tf32" otherwise (fp16/bf16 dots ignore it)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 _POISON = os.environ.get("FRACTUS_POISON", "0") == "1"
 
 
@@ -41,6 +48,17 @@ def set_poison(on: bool) -> None:
     """Make :func:`empty` fill new buffers with NaN (tests use it so unwritten elements fail)."""
     global _POISON
     _POISON = on
+
+
+@contextmanager
+def poisoned():
+    """Poisoning on inside the block (the GPU suite's checks), restored after."""
+    global _POISON
+    before, _POISON = _POISON, True
+    try:
+        yield
+    finally:
+        _POISON = before
 
 
 def empty(*shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -343,11 +343,6 @@ def _lce_bwd_dw_kernel(H, W, T, POS, LSE, G, DW, V0, M, V, D, stride_h, stride_w
             tl.debug_barrier()
 
 
-def _dot_prec(x: torch.Tensor) -> str:
-    """fp32 inputs need IEEE dots (TF32 would cost ~1e-3 relative error); fp16/bf16 ignore it."""
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
 _H200_SMS = 132  # streaming multiprocessors assumed when compiling ahead of time without a GPU
 
 
@@ -404,7 +399,7 @@ class _TritonLCE(torch.autograd.Function):
                 h_, w_, t, pos, lse_p, tgt_p, M, V, D, h_.stride(0), w_.stride(0), ignore_index,
                 float(softcap or 1.0), HAS_POS=positions is not None, SOFTCAP=softcap is not None,
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
-                DOT_PREC=_dot_prec(h_), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                DOT_PREC=_backend.dot_precision(h_), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             lse = torch.logsumexp(lse_p, dim=0)
             ce = torch.where(valid, lse - tgt_p.sum(0), torch.zeros_like(lse))
         ctx.save_for_backward(h_, w_, t, positions, lse)
@@ -426,7 +421,7 @@ class _TritonLCE(torch.autograd.Function):
         pos = positions if positions is not None else t
         common = dict(HAS_POS=positions is not None, SOFTCAP=softcap is not None,
                       BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
-                      BLOCK_D=cfg["BLOCK_D"], DOT_PREC=_dot_prec(h_), num_warps=cfg["num_warps"],
+                      BLOCK_D=cfg["BLOCK_D"], DOT_PREC=_backend.dot_precision(h_), num_warps=cfg["num_warps"],
                       num_stages=cfg["num_stages"])
         args = (M, V, D, h_.stride(0), w_.stride(0), ignore_index, float(softcap or 1.0),
                 2.0 * z_loss)

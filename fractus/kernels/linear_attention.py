@@ -481,10 +481,6 @@ def _chunk_len(T, most):
     return min(most, max(16, triton.next_power_of_2(T)))
 
 
-def _prec(x):
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
 _CONST_CACHE: dict = {}
 
 
@@ -511,7 +507,7 @@ def _states(k, v, om, g, S0, z0, store_final, BT):
     _la_states_kernel[(B * Lv * H,)](
         k, v, om, g, S0 if S0 is not None else hs,
         z0 if z0 is not None else zs, hs, zs, sf, zf, T, H, D, NC, LV=Lv,
-        HAS_INIT=S0 is not None, STORE_FINAL=store_final, PREC=_prec(v), BT=BT, BD=BD)
+        HAS_INIT=S0 is not None, STORE_FINAL=store_final, PREC=_backend.dot_precision(v), BT=BT, BD=BD)
     return hs, zs, sf, zf
 
 
@@ -531,7 +527,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need else hs
         _la_out_kernel[(NC, B * H)](
             q, k, v, w, om, g, hs, zs, o, y, den, B, T, H, D, NC, eps,
-            LV=Lv, STORE_Y=need, PREC=_prec(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
+            LV=Lv, STORE_Y=need, PREC=_backend.dot_precision(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
         if need:
             ctx.save_for_backward(q, k, v, w, S0, z0, om, g, y, den)
             ctx.eps = eps
@@ -562,14 +558,14 @@ class _TritonLinearAttention(torch.autograd.Function):
         _la_bwd_states_kernel[(B * Lv * H,)](
             q, do, y, den, w, om, g, dsf if has_df else dhs, dzf if has_df else dzs, dhs, dzs,
             ds0, dz0, B, T, H, D, NC, eps, LV=Lv, HAS_DFINAL=has_df,
-            STORE_DINIT=dinit, PREC=_prec(q), BT=BT, BD=BD)
+            STORE_DINIT=dinit, PREC=_backend.dot_precision(q), BT=BT, BD=BD)
         dq = _backend.empty(B, T, H, D, dtype=q.dtype, device=dev)
         dk = _backend.empty(B, T, H, D, dtype=k.dtype, device=dev)
         dv = _backend.empty(B, T, H, D, dtype=v.dtype, device=dev)
         dwp = _backend.empty(B * H, NC, Lv, dtype=torch.float32, device=dev)
         _la_bwd_grads_kernel[(NC, B * H)](
             q, k, v, do, y, den, w, om, g, hs, zs, dhs, dzs, dq, dk, dv, dwp, B, T, H, D, NC, eps,
-            LV=Lv, PREC=_prec(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
+            LV=Lv, PREC=_backend.dot_precision(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
         dw = dwp.sum((0, 1)).to(w.dtype)
         if not dinit:
             ds0 = dz0 = None

@@ -507,10 +507,6 @@ class _Route:
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _prec(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
 def _rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
@@ -538,7 +534,7 @@ class _LowRankMoE(torch.autograd.Function):
         a2 = _backend.empty(N * K, r, dtype=torch.float32, device=dev) if save else ys
         _lr_fwd_kernel[(rt.T,)](x, rt.stok, rt.order, g, rt.tile_e, rt.tile_lo, rt.tile_hi,
                                 V1, U1, b1, s1, V2, U2, b2, s2, ys, a1, a2, d, F, r,
-                                SAVE=save, PREC=_prec(x), BM=BM, R=R)
+                                SAVE=save, PREC=_backend.dot_precision(x), BM=BM, R=R)
         if save:
             ctx.rt, ctx.K = rt, K
             ctx.save_for_backward(x, w, g, a1, a2, V1, U1, b1, s1, V2, U2, b2, s2)
@@ -551,7 +547,7 @@ class _LowRankMoE(torch.autograd.Function):
         rt, K = ctx.rt, ctx.K
         N, d = x.shape
         E, F, r = U1.shape
-        BM, R, prec, dev = _block_m(), _rank_block(r), _prec(x), x.device
+        BM, R, prec, dev = _block_m(), _rank_block(r), _backend.dot_precision(x), x.device
         dy = dy.contiguous().to(x.dtype)
         f32 = dict(dtype=torch.float32, device=dev)
         dxs = _backend.empty(N * K, d, dtype=x.dtype, device=dev)
@@ -585,7 +581,7 @@ class _DenseExperts(torch.autograd.Function):
         N, d = x.shape
         K = idx.shape[1]
         E, _, F = W1.shape
-        BM, prec, dev = _block_m(), _prec(x), x.device
+        BM, prec, dev = _block_m(), _backend.dot_precision(x), x.device
         rt = _Route(idx, E, BM)
         z = _backend.empty(N * K, F, dtype=x.dtype, device=dev)
         _gmm_kernel[lambda m: (rt.T, triton.cdiv(F, m["BN"]))](
@@ -606,7 +602,7 @@ class _DenseExperts(torch.autograd.Function):
         rt = ctx.rt
         N, K, d = df.shape
         E, _, F = W1.shape
-        BM, prec, dev = _block_m(), _prec(x), x.device
+        BM, prec, dev = _block_m(), _backend.dot_precision(x), x.device
         df = df.reshape(N * K, d).contiguous().to(x.dtype)
         dz = _backend.empty(N * K, F, dtype=x.dtype, device=dev)
         _gmm_kernel[lambda m: (rt.T, triton.cdiv(F, m["BN"]))](
