@@ -126,6 +126,24 @@ def test_fp16(small_chunks, path, N, V, d):
         assert_lowp(x.float(), s.float(), r, 3e-4, f"{path} fp16 {what}")
 
 
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_fp16_hidden_states_with_fp32_weight(small_chunks, path):
+    """The model under autocast: fp16 h, the tied weight an fp32 master (its gradient comes back fp32)."""
+    h, w16, t = _inputs(37, 300, 48, dtype=torch.float16)
+    w = w16.detach().float().requires_grad_()
+    truth = _run(linear_cross_entropy_reference, h.detach().float().requires_grad_(), w, t)
+
+    def naive16(h, w, t, return_per_token):
+        ce = F.cross_entropy(F.linear(h, w.half()), t, reduction="none")
+        return ce.sum() / (t != -100).sum(), ce
+
+    same = _run(naive16, h, w, t)
+    out = _run(lambda *a, **k: linear_cross_entropy(*a, backend=path, **k), h, w, t)
+    assert out[2].dtype == torch.float16 and out[3].dtype == torch.float32
+    for x, s, r, what in zip(out, same, truth, ("loss", "per-token ce", "dH", "dW")):
+        assert_lowp(x.float(), s.float(), r, 3e-4, f"{path} fp16 h, fp32 w: {what}")
+
+
 @pytest.mark.parametrize("path", ["torch", "triton", "reference"])
 def test_out_of_range_target(path):
     h, w, t = _inputs(8, 127, 48)

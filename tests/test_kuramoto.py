@@ -103,7 +103,11 @@ def test_bad_shapes_and_dtypes_are_refused(backend):
              ((theta, omega[:1], U, lam), "omega must be \\[8\\]"),
              ((theta, omega, U[:7], lam), "U must be \\[8, 2\\]"),
              ((theta, omega, U, lam[:1]), "U must be \\[8, 1\\]"),
-             ((theta, omega.double(), U, lam), "omega must be \\[8\\] torch.float32")]
+             ((theta, omega.double(), U, lam), "omega must be \\[8\\] torch.float32"),
+             ((theta.half(), omega.half(), U.half(), lam.half()), "too fine for half precision"),
+             ((theta.bfloat16(), omega, U, lam), "too fine for half precision")]
+    if backend == "triton":  # the kernels compute in fp32: fp64 would come back rounded
+        cases.append(((theta.double(), omega.double(), U.double(), lam.double()), "theta0 must be torch.float32 on"))
     for args, msg in cases:
         with pytest.raises(ValueError, match=msg):
             kuramoto_phase(*args, 0.1, 2, 0.05, backend=backend)

@@ -25,12 +25,14 @@ def make_experts(E, d=D, F=FF, r=16, lowrank=True, dtype=torch.float32):
 
 
 def make_inputs(N, E, K, d=D, route="random", dtype=torch.float32):
-    """x [N, d], idx [N, K] (distinct experts per token unless K > E), w [N, K] > 0."""
+    """x [N, d], idx [N, K] (distinct experts per token, except with route "one" or "twice"), w [N, K] > 0."""
     x = torch.randn(N, d).to(dtype).requires_grad_()
     if route == "one":
         idx = torch.full((N, K), E - 1, dtype=torch.int64)
     else:
         idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+    if route == "twice":  # every token's first expert also in its second slot
+        idx[:, 1] = idx[:, 0]
     w = torch.softmax(torch.randn(N, K), -1).to(dtype).requires_grad_()
     return x, idx, w
 
@@ -71,6 +73,13 @@ def test_torch_matches_reference(E, K, lowrank):
 def test_torch_routing_edge_cases(N, E, K, route):
     """A single token, experts with no tokens, every token on one expert, K = E."""
     check("torch", N, E, K, route=route)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("lowrank", [True, False])
+def test_a_token_may_choose_an_expert_twice(backend, lowrank):
+    """The model's top-k never repeats an expert; a direct caller's idx may: both slots count."""
+    check(backend, 13, 7, 3, lowrank=lowrank, route="twice")
 
 
 def test_torch_fp16_close_to_truth():
@@ -157,10 +166,11 @@ def test_route_tiles_cover_each_row_once(N, E, K):
 
 # d = 47, F = 81: every d- and F-block of the kernels (16 or 32 wide in the interpreter) has a ragged edge
 @pytest.mark.parametrize("N,E,K,r,route,d,F", [(13, 7, 2, 16, "random", 47, 81), (5, 4, 4, 32, "random", D, FF),
-                                               (37, 4, 1, 24, "one", D, FF), (1, 16, 2, 16, "random", D, FF)])
+                                               (37, 4, 1, 24, "one", D, FF), (1, 16, 2, 16, "random", D, FF),
+                                               (9, 7, 7, 64, "random", D, FF)])
 def test_triton_lowrank_matches_reference(N, E, K, r, route, d, F):
-    """Odd token counts and sizes, several tiles per expert, K = E, r not a power of two, empty
-    experts, a single token."""
+    """Odd token counts and sizes, several tiles per expert, K = E (4 and 7), r not a power of two
+    and the presets' r = 64, empty experts, a single token."""
     check("triton", N, E, K, r=r, route=route, d=d, F=F)
 
 

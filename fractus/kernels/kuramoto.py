@@ -290,10 +290,15 @@ class _KuramotoTritonFn(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- public
-def _check(theta0, omega, U, lam) -> None:
-    """θ⁰ [M, N] floating; ω [N]; U [N, r]; λ [r], all in θ⁰'s dtype (shapes only: no device sync)."""
+def _check(theta0, omega, U, lam, path: str) -> None:
+    """θ⁰ [M, N] fp32 (or fp64 on the PyTorch path: phases are too fine for half precision); ω [N];
+    U [N, r]; λ [r], all in θ⁰'s dtype (shapes only: no device sync)."""
     if theta0.dim() != 2 or not theta0.is_floating_point():
         raise ValueError(f"theta0 must be a floating [M, N] tensor, got {tuple(theta0.shape)} {theta0.dtype}")
+    allowed = (torch.float32,) if path == "triton" else (torch.float32, torch.float64)
+    if theta0.dtype not in allowed:
+        raise ValueError(f"theta0 must be {' or '.join(map(str, allowed))} on the {path} path (phases are too "
+                         f"fine for half precision), got {theta0.dtype}")
     N = theta0.shape[1]
     r = lam.shape[0] if lam.dim() == 1 else -1
     for name, t, shape in (("omega", omega, (N,)), ("U", U, (N, r)), ("lam", lam, (r,))):
@@ -304,13 +309,13 @@ def _check(theta0, omega, U, lam) -> None:
 
 def kuramoto_phase(theta0, omega, U, lam, dt: float, steps: int, damping: float,
                    backend: str = "auto"):
-    """θ⁰ [M, N] → routing angle ψ [M] (dtype of θ⁰; run it in fp32). ``"auto"``: the Triton
+    """θ⁰ [M, N] fp32 → routing angle ψ [M] (fp64 too on the PyTorch paths). ``"auto"``: the Triton
     kernels on CUDA, the fused PyTorch path on CPU; ``"torch"``: the fused PyTorch path;
     ``"reference"``: plain autograd; ``"triton"`` on CPU: the interpreter."""
     path = _backend.pick(backend, theta0)
     if path == "reference":
         return kuramoto_phase_reference(theta0, omega, U, lam, dt, steps, damping)
-    _check(theta0, omega, U, lam)
+    _check(theta0, omega, U, lam, path)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (theta0, omega, U, lam))
     if path == "triton":
         if grad:
