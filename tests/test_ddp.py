@@ -26,10 +26,10 @@ def ddp_args(data, out, steps: int, *extra) -> list[str]:
             "--no-progress", "--threads", "1", *extra]
 
 
-def torchrun(*argv) -> str:
-    """Run 2 processes; their stdout and stderr."""
+def torchrun(*argv, ok: bool = True) -> str:
+    """Run 2 processes (all of them exit with 0, or not: ``ok``); their stdout and stderr."""
     r = subprocess.run([*TORCHRUN, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert (r.returncode == 0) == ok, r.stderr[-3000:]
     return r.stdout + r.stderr
 
 
@@ -68,16 +68,22 @@ def metrics_rows(out, keys=None) -> list[dict]:
 
 
 def patched_trainer(path, patch: str) -> str:
-    """A script that runs the trainer's CLI after ``patch`` (code using ``T``: fractus.train)."""
-    path.write_text(f"import os, sys\nimport fractus.train as T\n{patch}\nT.main(sys.argv[1:])\n")
+    """A script that runs the trainer's CLI after ``patch`` (code using ``T``: fractus.train) and
+    prints "rank R exits with CODE" when the CLI exits with a code."""
+    path.write_text(f"import os, signal, sys\nimport fractus.train as T\n{patch}\ntry:\n    T.main(sys.argv[1:])\n"
+                    "except SystemExit as e:\n    print(f'rank {os.environ[\"RANK\"]} exits with {e.code}', flush=True)\n"
+                    "    raise\n")
     return str(path)
 
 
 STOP_ON_RANK_1 = """
 orig, calls = T.agree, []
-def agree(finite, stop, *rest):  # rank 1 alone is asked to stop, during its 3rd step
+def agree(finite, stop, *rest):  # rank 1 alone gets a SIGINT, during its 3rd step
     calls.append(1)
-    return orig(finite, stop or (os.environ["RANK"] == "1" and len(calls) == 3), *rest)
+    if os.environ["RANK"] == "1" and len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+        stop = True
+    return orig(finite, stop, *rest)
 T.agree = agree
 """
 
@@ -89,7 +95,9 @@ def test_ddp_stop_and_resume_equals_uninterrupted(tmp_path):
 
     full, out = tmp_path / "full", tmp_path / "run"
     torchrun("-m", "fractus.train", *ddp_args(data, full, 6))
-    assert "stopped at step 3 of 6" in torchrun(stop, *ddp_args(data, out, 6))
+    log = torchrun(stop, *ddp_args(data, out, 6), ok=False)  # saved, but not finished: not 0
+    assert "stopped at step 3 of 6" in log
+    assert "rank 1 exits with 130" in log and "rank 0 exits with 143" in log  # its own signal; a peer's
     ck = load_checkpoint(out / "ckpt.pt")
     assert ck["step"] == 3 and len(ck["states"]) == 2
     s0, s1 = ck["states"]
