@@ -106,32 +106,17 @@ def test_triton_gpu_tiles(monkeypatch, dtype):
             assert_lowp(x.float(), s.float(), r, 3e-4, f"GPU tiles fp16 {what}")
 
 
-@pytest.mark.parametrize("path,N,V,d", [("torch", 37, 300, 48), ("triton", 37, 300, 48), ("triton", 20, 8192, 128)])
-def test_fp16(small_chunks, path, N, V, d):
-    """fp16 inputs: error vs the fp32 truth no worse than PyTorch's own fp16 computation."""
+@pytest.mark.parametrize("path,N,V,d,w32", [("torch", 37, 300, 48, False), ("triton", 37, 300, 48, False),
+                                              ("triton", 20, 8192, 128, False),
+                                              ("torch", 37, 300, 48, True), ("triton", 37, 300, 48, True)])
+def test_fp16(small_chunks, path, N, V, d, w32):
+    """fp16 h: error vs the fp32 truth no worse than PyTorch's own fp16 computation. The weight is
+    fp16, or (``w32``: the model under autocast) an fp32 master whose gradient comes back fp32."""
     h, w, t = _inputs(N, V, d, dtype=torch.float16)
-    h32 = h.detach().float().requires_grad_()
-    w32 = w.detach().float().requires_grad_()
-    truth = _run(linear_cross_entropy_reference, h32, w32, t)
-
-    def naive16(h, w, t, return_per_token):
-        logits = F.linear(h, w)
-        ce = F.cross_entropy(logits, t, reduction="none")
-        return ce.sum() / (t != -100).sum(), ce
-
-    same = _run(naive16, h, w, t)
-    out = _run(lambda *a, **k: linear_cross_entropy(*a, backend=path, **k), h, w, t)
-    assert out[2].dtype == torch.float16 and out[3].dtype == torch.float16
-    for x, s, r, what in zip(out, same, truth, ("loss", "per-token ce", "dH", "dW")):
-        assert_lowp(x.float(), s.float(), r, 3e-4, f"{path} fp16 {what}")
-
-
-@pytest.mark.parametrize("path", ["torch", "triton"])
-def test_fp16_hidden_states_with_fp32_weight(small_chunks, path):
-    """The model under autocast: fp16 h, the tied weight an fp32 master (its gradient comes back fp32)."""
-    h, w16, t = _inputs(37, 300, 48, dtype=torch.float16)
-    w = w16.detach().float().requires_grad_()
-    truth = _run(linear_cross_entropy_reference, h.detach().float().requires_grad_(), w, t)
+    if w32:
+        w = w.detach().float().requires_grad_()
+    truth = _run(linear_cross_entropy_reference, h.detach().float().requires_grad_(),
+                 w.detach().float().requires_grad_(), t)
 
     def naive16(h, w, t, return_per_token):
         ce = F.cross_entropy(F.linear(h, w.half()), t, reduction="none")
@@ -139,9 +124,9 @@ def test_fp16_hidden_states_with_fp32_weight(small_chunks, path):
 
     same = _run(naive16, h, w, t)
     out = _run(lambda *a, **k: linear_cross_entropy(*a, backend=path, **k), h, w, t)
-    assert out[2].dtype == torch.float16 and out[3].dtype == torch.float32
+    assert out[2].dtype == torch.float16 and out[3].dtype == w.dtype
     for x, s, r, what in zip(out, same, truth, ("loss", "per-token ce", "dH", "dW")):
-        assert_lowp(x.float(), s.float(), r, 3e-4, f"{path} fp16 h, fp32 w: {what}")
+        assert_lowp(x.float(), s.float(), r, 3e-4, f"{path} fp16 (weight {w.dtype}) {what}")
 
 
 @pytest.mark.parametrize("path", ["torch", "triton", "reference"])
