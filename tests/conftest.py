@@ -12,6 +12,5 @@ from fractus.kernels import backend  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed_and_poison():
     torch.manual_seed(0)
-    backend.set_poison(True)
-    yield
-    backend.set_poison(False)
+    with backend.poisoned():
+        yield

@@ -304,6 +304,6 @@ def test_the_correctness_stages_run_with_poisoned_outputs(tmp_path, monkeypatch)
         seen.append(backend._POISON)
         return [{"kernel": "x", "dtype": "float32", "check": "y", "rel_err": 0.0, "tol": 1.0, "passed": True}]
     monkeypatch.setattr(cross_entropy, "correctness_rows", rows)
-    backend.set_poison(False)
+    monkeypatch.setattr(backend, "_POISON", False)  # as outside pytest
     gpu.run_stages(tmp_path, ["correctness_cross_entropy", "timing_cross_entropy"], True, time.time())
     assert seen == [True] and not backend._POISON

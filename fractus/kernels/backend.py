@@ -44,15 +44,11 @@ def dot_precision(x: torch.Tensor) -> str:
 _POISON = os.environ.get("FRACTUS_POISON", "0") == "1"
 
 
-def set_poison(on: bool) -> None:
-    """Make :func:`empty` fill new buffers with NaN (tests use it so unwritten elements fail)."""
-    global _POISON
-    _POISON = on
-
-
 @contextmanager
 def poisoned():
-    """Poisoning on inside the block (the GPU suite's checks), restored after."""
+    """Inside the block :func:`empty` fills new buffers with NaN, so that elements a kernel leaves
+    unwritten fail the checks (the tests, the GPU suite's correctness stages; FRACTUS_POISON=1 in
+    the environment turns it on for a whole process)."""
     global _POISON
     before, _POISON = _POISON, True
     try:
