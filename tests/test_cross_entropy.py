@@ -74,6 +74,19 @@ def test_triton_path(N, V, d, kw):
     _compare("triton", N, V, d, **kw)
 
 
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_strided_positions_and_targets(path):
+    """Views with stride 2 (the Triton kernels read both with stride 1: they get contiguous copies)."""
+    h, w, t = _inputs(37, 127, 48)
+    pos = (torch.arange(74) % 37).flip(0)[::2]  # every row once, out of order
+    t2 = torch.stack([t, t], 1)[:, 0]  # t
+    assert pos.stride() == t2.stride() == (2,)
+    ref = _run(linear_cross_entropy_reference, h, w, t, positions=pos.contiguous())
+    out = _run(lambda *a, **k: linear_cross_entropy(*a, backend=path, **k), h, w, t2, positions=pos)
+    for x, r, what in zip(out, ref, ("loss", "per-token ce", "dH", "dW")):
+        assert_rel(x, r, TOL, f"{path} {what}")
+
+
 def test_triton_vocab_splits():
     """Few scored rows: the vocab is split across programs in forward and dH."""
     cfg = ce_mod._config(torch.zeros(1), 300)

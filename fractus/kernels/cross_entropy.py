@@ -384,7 +384,7 @@ class _TritonLCE(torch.autograd.Function):
             w_ = w_.to(h_.dtype)
         M, (V, D) = t.shape[0], w_.shape
         t = t.contiguous()
-        pos = positions.contiguous() if positions is not None else t
+        pos = positions if positions is not None else t
         cfg = _config(h_, V)
         valid = t != ignore_index
         if M == 0:
@@ -475,6 +475,7 @@ def linear_cross_entropy(h, weight, targets, *, ignore_index=-100, reduction="me
     if path == "reference":
         return linear_cross_entropy_reference(h, weight, targets, **kw)
     _check(h, weight, targets, positions, reduction, softcap)
+    positions = positions.contiguous() if positions is not None else None  # the kernels read it with stride 1
     t = _scored_targets(targets, positions, ignore_index, weight.shape[0])
     args = (h, weight, t, positions, ignore_index, reduction, float(z_loss), softcap)
     if path == "triton":

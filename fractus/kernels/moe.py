@@ -310,7 +310,7 @@ def _lr_bwd_rows_kernel(dy_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_p
                  mask=rmask[:, None] & dm[None, :])
 
 
-@_autotune(("BF",), ((32, 8, 3), (64, 8, 3), (32, 8, 2)), key=["F", "R"])
+@_autotune(("BF",), ((32, 8, 3), (64, 8, 3), (32, 8, 2)), key=["F", "R", "CDT"])  # fp32 masters: CDT
 @triton.jit
 def _lr_bwd_ff_kernel(offs_ptr, a1_ptr, da2_ptr, U1, b1, s1, V2, dU1, dV2, db1, F, r,
                       CDT: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
@@ -386,7 +386,7 @@ def _lr_bwd_model_kernel(offs_ptr, x_ptr, dy_ptr, stok_ptr, g_ptr, da1_ptr, a2_p
     tl.store(db2 + e * d + cd, db, mask=dm)
 
 
-@_autotune(("BK", "BN"), _GMM_CFG, key=["KD", "ND"])
+@_autotune(("BK", "BN"), _GMM_CFG, key=["KD", "ND", "sw_k", "sw_n"])  # strides: W or Wᵀ
 @triton.jit
 def _gmm_kernel(a_ptr, a_idx_ptr, w_ptr, bias_ptr, z_ptr, out_ptr, out_idx_ptr,
                 tile_e_ptr, tile_lo_ptr, tile_hi_ptr, KD, ND, sw_e, sw_k, sw_n,

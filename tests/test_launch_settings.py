@@ -1,10 +1,12 @@
-"""fp32 inputs launch every kernel's dots with IEEE precision. Triton's interpreter ignores
-``input_precision`` (it multiplies with numpy), so only the launches can show that a GPU would not
-round fp32 inputs to TF32 (about 1e-3 relative error)."""
+"""What the kernels are launched with, which the interpreter cannot check by running them: fp32
+inputs ask for IEEE dots (the interpreter ignores ``input_precision`` and multiplies with numpy; a
+GPU would round fp32 to TF32, about 1e-3 relative error), and every autotune key names an argument
+(Triton skips a name it does not find, so a misspelt key would silently share one tuning)."""
 import pytest
 import torch
+import triton
 
-from fractus.kernels import cross_entropy, linear_attention, moe
+from fractus.kernels import cross_entropy, kuramoto, linear_attention, moe
 from fractus.model import FractusConfig, FractusCTE
 from util import Launches
 
@@ -28,3 +30,11 @@ def test_fp32_launches_ieee_dots(monkeypatch, over):
     assert precs.keys() - dots.keys() == {"_la_decode_kernel"}  # the only one without a tl.dot
     assert {"_la_states_kernel", "_la_bwd_grads_kernel", "_lce_bwd_dw_kernel"} <= dots.keys()
     assert ("_lr_bwd_rows_kernel" if not over else "_gmm_kernel") in dots
+
+
+def test_autotune_keys_name_arguments():
+    tuners = {n: k for mod in (linear_attention, moe, cross_entropy, kuramoto)
+              for n, k in vars(mod).items() if isinstance(k, triton.runtime.Autotuner)}
+    assert len(tuners) >= 8
+    for name, k in tuners.items():
+        assert k.keys and set(k.keys) <= set(k.arg_names), (name, k.keys)
