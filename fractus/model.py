@@ -520,7 +520,7 @@ class FractusCTE(nn.Module):
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
            repetition_penalty: float, seen: torch.Tensor, gen: torch.Generator) -> int:
-    """Pick one token id from logits [V]."""
+    """Pick one token id from logits [V]; drawing from non-finite probabilities is a ValueError."""
     if repetition_penalty != 1.0:
         pen = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
         logits = torch.where(seen, pen, logits)
@@ -535,4 +535,8 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
+    probs = logits.softmax(-1)
+    if not torch.isfinite(probs).all():  # an infinite or NaN logit (activations that overflowed)
+        raise ValueError("the next-token probabilities are not finite: the model's logits overflowed "
+                         "(greedy decoding, temperature 0, still picks the largest logit)")
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -139,6 +139,12 @@ def test_clis_name_bad_devices_and_non_finite_weights(data, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sample_main([str(tmp_path / "ok.pt"), "--temperature", "inf"])
     assert e.value.code == 2 and "must be finite and ≥ 0, got inf" in capsys.readouterr().err
+    with torch.no_grad():  # finite weights whose logits overflow: the final norm's scale near fp32's max
+        model.ln_f.weight.fill_(3e38)
+    model.save(tmp_path / "huge.pt")
+    with pytest.raises(SystemExit) as e:
+        sample_main([str(tmp_path / "huge.pt"), "--prompt", "To be", "--tokens", "2"])
+    assert e.value.code == 2 and "next-token probabilities are not finite" in capsys.readouterr().err
     with torch.no_grad():
         model.embed.weight.fill_(float("nan"))
     model.save(tmp_path / "nan.pt")

@@ -223,12 +223,13 @@ def test_every_parameter_gets_a_gradient(router):
 
 
 def test_sampling_filters():
-    """top-k, top-p and the repetition penalty each change which tokens can be drawn."""
+    """top-k, top-p and the repetition penalty each change which tokens can be drawn; non-finite
+    probabilities are refused (greedy still takes the largest logit)."""
     from fractus.model import sample
     logits = torch.tensor([3.0, 2.9, 2.8, -1.0, 0.5])
     none = torch.zeros(5, dtype=torch.bool)
 
-    def draws(**kw):
+    def draws(logits=logits, **kw):
         kw = {"temperature": 1.0, "top_k": None, "top_p": None, "repetition_penalty": 1.0, "seen": none, **kw}
         gen = torch.Generator().manual_seed(0)
         return {sample(logits, gen=gen, **kw) for _ in range(300)}
@@ -241,6 +242,10 @@ def test_sampling_filters():
     assert sample(logits, 0.0, None, None, 100.0, seen, torch.Generator()) == 1  # greedy, penalised
     assert sample(torch.tensor([-1.0, -1.5]), 0.0, None, None, 2.0, torch.tensor([True, False]),
                   torch.Generator()) == 1  # a negative logit is multiplied: -2.0 < -1.5
+    for bad in (float("inf"), float("nan")):  # overflowed activations: a clear error, not torch's
+        with pytest.raises(ValueError, match="not finite"):
+            draws(logits=torch.tensor([0.0, bad, 1.0]))
+    assert sample(torch.tensor([0.0, float("inf"), 1.0]), 0.0, None, None, 1.0, none, torch.Generator()) == 1
 
 
 def test_generate_is_seeded_and_decodes_tick_by_tick():
