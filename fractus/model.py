@@ -537,6 +537,5 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     if not torch.isfinite(probs).all():  # an infinite or NaN logit (activations that overflowed)
-        raise ValueError("the next-token probabilities are not finite: the model's logits overflowed "
-                         "(greedy decoding, temperature 0, still picks the largest logit)")
+        raise ValueError("the next-token probabilities are not finite: the model's logits overflowed")
     return int(torch.multinomial(probs, 1, generator=gen))

@@ -237,8 +237,9 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-class Interrupted(Exception):
-    """Training stopped by a signal (this process's ``signum``, else SIGTERM: a peer's); saved."""
+class Interrupted(BaseException):
+    """Training stopped by a signal (this process's ``signum``, else SIGTERM: a peer's), after the
+    checkpoint was saved. A BaseException, as KeyboardInterrupt: ``except Exception`` lets it pass."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -372,7 +373,8 @@ def choose_active_blocks(n_layers: int, k: int, seed: int, step: int) -> list[in
 
 
 def train(argv=None) -> dict:
-    """Run the CLI; returns the final metrics."""
+    """Run the CLI; returns the final metrics. Raises :class:`Interrupted` after a SIGINT/SIGTERM stop
+    (checkpoint saved; ``main`` exits with 128 + the signal's number)."""
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -453,6 +455,8 @@ def train(argv=None) -> dict:
                 "counters": {"nan_run": nan_run, "skipped": skipped}, "ancestor": ancestor,
                 "args": vars(args), "world": world,
                 "meta": data_identity(meta)})
+        if world > 1:  # none leaves before the file is written: torchrun stops the rest once one exits non-zero
+            dist.barrier()
 
     if master:
         out.mkdir(parents=True, exist_ok=True)
@@ -476,6 +480,7 @@ def train(argv=None) -> dict:
             ce, lb, state, finite = micro_steps(fwd, batches, state, args.accum, args.head_positions,
                                                 device, bf16, net.no_sync if world > 1 else None)
             finite, signalled, ce, lb = agree(finite, stop.requested, ce, lb, device, world)
+            stopping = signalled
             norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
             grad_norm = float(norm) if finite else float("nan")
             if not math.isfinite(grad_norm):  # a finite loss can still overflow in the backward
@@ -498,8 +503,8 @@ def train(argv=None) -> dict:
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
-            stopping = signalled or (args.stop_after is not None and step - first_step >= args.stop_after
-                                     and step < total_steps)
+            stopping = stopping or (args.stop_after is not None and step - first_step >= args.stop_after
+                                    and step < total_steps)
             dt = time.perf_counter() - t0
             elapsed += dt
             last = {"step": step, "tokens": step * tokens_per_step, "lr": sched.get_last_lr()[0],
@@ -516,6 +521,9 @@ def train(argv=None) -> dict:
                 append_metrics(metrics_path, last)
             if args.ckpt_every and step % args.ckpt_every == 0:
                 save()
+        if not signalled:  # a signal during the last step: no final validation either
+            signalled = agree(True, stop.requested, 0.0, 0.0, device, world)[1]
+        stopping = stopping or signalled
         bar.close()
         save()  # before a caller's SIGTERM handler runs (Stop's exit)
     if stopping:
@@ -533,8 +541,11 @@ def train(argv=None) -> dict:
         if args.sample_tokens:
             for p in PROMPTS:
                 print(f"--- {p!r} →{sample_text(model, p, args.sample_tokens, seed=args.seed)!r}")
-    if world > 1:  # also after a stop: a process that exits without it can abort (seen with torch 2.11, gloo)
-        dist.destroy_process_group()
+    if world > 1:
+        if signalled:  # each exits non-zero, and torchrun terminates the rest after the first: let them finish
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            dist.barrier()
+        dist.destroy_process_group()  # also after a stop: without it a process can abort (torch 2.11, gloo)
     if signalled:
         raise Interrupted(stop.signum or signal.SIGTERM)
     return last

@@ -69,14 +69,12 @@ def test_tick_vec_matches_step_on_embedding():
 
 
 def test_1b_parameter_count():
+    """Ours exactly, so that a change of architecture shows here (they lie within 0.3% of the
+    original's, SPEC: 1,048,631,458; 183.1M active with the tied embedding, 118.8M without)."""
     with torch.device("meta"):
         model = FractusCTE(FractusConfig.preset("1b"))
-    """Ours exactly (a change of architecture shows here), and within 0.5% of the original's counts
-    (SPEC: 1,048,631,458; 183.1M active with the tied embedding, 118.8M without)."""
     counts = (model.num_params(), model.num_params(active=True), model.num_params(active=True, embedding=False))
     assert counts == (1_048_961_456, 183_464_432, 119_135_472), counts
-    for n, original in zip(counts, (1_048_631_458, 183.1e6, 118.8e6)):
-        assert abs(n - original) / original < 0.005, (n, original)
 
 
 def test_presets_and_spec_constants():

@@ -117,6 +117,44 @@ def test_a_signal_saves_where_it_stopped_and_exits_with_its_code(data, tmp_path,
     assert 3 <= step < STEPS and int(metrics(out)[-1]["step"]) == step
 
 
+def test_a_signal_during_a_skipped_step_stops_the_run(data, tmp_path, monkeypatch):
+    """Ctrl-C while steps are being skipped (non-finite): it stops there, not after --max-nan skips."""
+    real, calls = micro_steps, []
+
+    def nan_from_the_second(*args, **kwargs):
+        ce, lb, state, finite = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return ce, lb, state, finite and len(calls) < 2
+    monkeypatch.setattr(train_mod, "micro_steps", nan_from_the_second)
+    with pytest.raises(train_mod.Interrupted) as e:
+        train(cli(data, tmp_path / "run", "--eval-every", "0", "--max-nan", "3", tokens=6 * 32))
+    assert e.value.signum == signal.SIGINT and len(calls) == 2
+    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["step"] == 1
+
+
+def test_a_signal_during_the_last_step_skips_the_final_validation(data, tmp_path, monkeypatch):
+    """The last step's stop request comes after its agreement: it is asked again once the loop ends."""
+    real = train_mod.append_metrics
+
+    def signal_at_the_end(path, row):
+        real(path, row)
+        if row["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(train_mod, "append_metrics", signal_at_the_end)
+    out = tmp_path / "run"
+    with pytest.raises(train_mod.Interrupted) as e:
+        train(cli(data, out, "--eval-every", "0", tokens=3 * 32))
+    assert e.value.signum == signal.SIGTERM and load_checkpoint(out / "ckpt.pt")["step"] == 3
+    assert metrics(out)[-1]["val_ce"] == ""  # no final validation row: `--resume` validates it
+
+
+def test_stop_after_exits_with_0(data, tmp_path):
+    main(cli(data, tmp_path / "run", "--eval-every", "0", "--stop-after", "2", tokens=4 * 32))  # no SystemExit
+    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["step"] == 2
+
+
 def test_a_stop_request_reaches_the_sigterm_handler_it_replaced():
     """Inside a caller with its own SIGTERM handler (the GPU suite's), the trainer finishes and saves,
     then hands the signal on; SIGINT and the default SIGTERM are not handed on."""

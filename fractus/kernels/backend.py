@@ -41,14 +41,13 @@ def dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-_POISON = os.environ.get("FRACTUS_POISON", "0") == "1"
+_POISON = False
 
 
 @contextmanager
 def poisoned():
     """Inside the block :func:`empty` fills new buffers with NaN, so that elements a kernel leaves
-    unwritten fail the checks (the tests, the GPU suite's correctness stages; FRACTUS_POISON=1 in
-    the environment turns it on for a whole process)."""
+    unwritten fail the checks (the tests, the GPU suite's correctness stages)."""
     global _POISON
     before, _POISON = _POISON, True
     try:

@@ -295,10 +295,11 @@ def _check(theta0, omega, U, lam, path: str) -> None:
     U [N, r]; λ [r], all in θ⁰'s dtype (shapes only: no device sync)."""
     if theta0.dim() != 2 or not theta0.is_floating_point():
         raise ValueError(f"theta0 must be a floating [M, N] tensor, got {tuple(theta0.shape)} {theta0.dtype}")
-    allowed = (torch.float32,) if path == "triton" else (torch.float32, torch.float64)
-    if theta0.dtype not in allowed:
-        raise ValueError(f"theta0 must be {' or '.join(map(str, allowed))} on the {path} path (phases are too "
-                         f"fine for half precision), got {theta0.dtype}")
+    if theta0.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"theta0 must be torch.float32 (phases are too fine for half precision), got {theta0.dtype}")
+    if theta0.dtype == torch.float64 and path == "triton":
+        raise ValueError("theta0 must be torch.float32 on the Triton path (its kernels compute in fp32), "
+                         "got torch.float64; the PyTorch paths take fp64")
     N = theta0.shape[1]
     r = lam.shape[0] if lam.dim() == 1 else -1
     for name, t, shape in (("omega", omega, (N,)), ("U", U, (N, r)), ("lam", lam, (r,))):
