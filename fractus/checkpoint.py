@@ -8,13 +8,13 @@ reported rather than loaded; a file that is no zip archive is not read at all.
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
-import secrets
 import zipfile
 from pathlib import Path
 
 import torch
+
+from fractus.atomic import atomic_open
 
 
 class CheckpointError(RuntimeError):
@@ -22,32 +22,13 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(path: str | Path, payload: dict) -> None:
-    """Write ``payload`` to ``path`` atomically: temporary file in the same folder, fsync, rename.
-
-    A crash at any moment leaves either the previous file or the new one, never a mix. The file
-    gets the mode ``open()`` would give it (0o666 less the umask).
-    """
+    """Write ``payload`` to ``path`` atomically (:func:`fractus.atomic.atomic_open`)."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"cannot write checkpoint {path}: it is a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    with atomic_open(path, "wb") as f:
+        torch.save(payload, f)
 
 
 def verify_zip(path: Path) -> None:

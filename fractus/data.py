@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import random
 import re
 import sys
@@ -23,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fractus.tokenizer import eot_id, get_tokenizer
+from fractus.atomic import atomic_open
+from fractus.tokenizer import get_tokenizer
 
 VAL_PLAYS = ("hamlet", "the-tempest", "twelfth-night", "julius-caesar")
 
@@ -112,9 +112,8 @@ def unigram_entropy(tokens: np.ndarray) -> float:
 
 def _write_tokens(path: Path, ids: list[int], vocab_size: int) -> None:
     dtype = np.uint16 if vocab_size <= 65536 else np.uint32
-    tmp = path.with_suffix(".tmp")
-    np.asarray(ids, dtype=dtype).tofile(tmp)
-    os.replace(tmp, path)
+    with atomic_open(path, "wb") as f:
+        np.asarray(ids, dtype=dtype).tofile(f)
 
 
 def write_toy_corpus(path: str | Path, n_lines: int = 600, seed: int = 0) -> Path:
@@ -146,7 +145,7 @@ def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192,
     else:
         train_docs, val_docs = split_documents(read_documents(input_path), val_fraction=val_fraction)
     enc = get_tokenizer(vocab_size)
-    eot = eot_id(enc)
+    eot = enc.eot_token
     out.mkdir(parents=True, exist_ok=True)
     meta = {"vocab_size": vocab_size, "encoding": enc.name, "source": str(input_path)}
     for split, docs in (("train", train_docs), ("val", val_docs)):
@@ -159,9 +158,8 @@ def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192,
         meta[split] = {"tokens": len(ids), "bytes": n_bytes, "bytes_per_token": n_bytes / len(ids),
                        "documents": [n for n, _ in docs]}
     meta["val"]["unigram_entropy_nats"] = unigram_entropy(np.asarray(load_tokens(out, "val", meta)))
-    tmp = out / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / "meta.json")
+    with atomic_open(out / "meta.json") as f:
+        f.write(json.dumps(meta, indent=1))
     return meta
 
 

@@ -56,7 +56,7 @@ class FractusConfig:
     lb_coef: float = 0.01
     tie_head: bool = True
     fused_ce: bool = True  # tied-head loss without forming [tokens, V] logits
-    chunk_len: int = 32
+    chunk_len: int = 32  # training positions per forward (the trainer's --chunk-len); forward takes any T
     eps: float = 1e-6
     backend: str = "auto"  # kernels: auto | triton | torch | reference
 

@@ -17,7 +17,11 @@ from fractus.cli import device_name, natural, non_negative, number, positive_int
 from fractus.model import FractusCTE
 from fractus.tokenizer import get_tokenizer
 
-PROMPTS = ("The meaning of life is", "Hello, my name is", "Once upon a time")
+# The original's prompts; by default sampling (and the trainer, at the end of a run) takes the
+# first, the second and the last; the generation probes take all five.
+ORIGINAL_PROMPTS = ("The meaning of life is", "Hello, my name is", "In mathematics, a continuous system",
+                    "Fractus thinks", "Once upon a time")
+PROMPTS = ORIGINAL_PROMPTS[:2] + ORIGINAL_PROMPTS[-1:]
 
 
 def sample_text(model: FractusCTE, prompt: str, max_new_tokens: int, temperature: float = 0.9,

@@ -32,10 +32,6 @@ def get_tokenizer(vocab_size: int = 8192) -> tiktoken.Encoding:
                              mergeable_ranks=ranks, special_tokens={EOT: vocab_size - 1})
 
 
-def eot_id(enc: tiktoken.Encoding) -> int:
-    return enc.n_vocab - 1
-
-
 def token_byte_lengths(enc: tiktoken.Encoding) -> torch.Tensor:
     """[V] int64: UTF-8 bytes each token stands for (EOT counts 0), for bits per byte."""
     lens = [len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab - 1)]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fractus.allocator import keep_freed_memory
+from fractus.atomic import atomic_open
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
 from fractus.cli import device_name, natural, non_negative, number, positive_int
 from fractus.data import TokenStreams, load_meta, load_tokens
@@ -344,12 +345,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 def write_metrics(path: Path, rows: list[dict]) -> None:
     """Replace metrics.csv with ``rows``, atomically."""
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=METRIC_FIELDS)
         w.writeheader()
         w.writerows({k: r.get(k, "") for k in METRIC_FIELDS} for r in rows)
-    os.replace(tmp, path)
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -367,9 +366,17 @@ def record_final(path: Path, step: int, final: dict) -> None:
     write_metrics(path, rows)
 
 
-def choose_active_blocks(n_layers: int, k: int, seed: int, step: int) -> list[int]:
+def set_active_blocks(model: FractusCTE, k: int, seed: int, step: int) -> list[int]:
+    """PGSU: only ``k`` of ``model``'s blocks, drawn from ``seed`` and ``step``, train this step
+    (the others' parameters stop requiring gradients; a detached clock stays frozen); returns
+    their indices."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return sorted(torch.randperm(n_layers, generator=g)[:k].tolist())
+    active = sorted(torch.randperm(len(model.blocks), generator=g)[:k].tolist())
+    for i, blk in enumerate(model.blocks):
+        blk.requires_grad_(i in active)
+        if blk.clock is not None and model.cfg.detach_kuramoto:
+            blk.clock.requires_grad_(False)
+    return active
 
 
 def train(argv=None) -> dict:
@@ -472,9 +479,7 @@ def train(argv=None) -> dict:
         while step < total_steps and not stopping:
             t0 = time.perf_counter()
             if args.active_blocks:
-                act = set(choose_active_blocks(cfg.n_layers, args.active_blocks, args.seed, step))
-                for i, blk in enumerate(model.blocks):
-                    blk.requires_grad_(i in act)
+                set_active_blocks(model, args.active_blocks, args.seed, step)
             state_before, pos_before = state, streams.position
             batches = (streams.next() for _ in range(args.accum))
             ce, lb, state, finite = micro_steps(fwd, batches, state, args.accum, args.head_positions,

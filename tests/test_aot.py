@@ -168,9 +168,10 @@ def generate():
         FractusCTE(FractusConfig.preset("palier0", backend="triton")).eval().generate(GEN_PROMPT, 2, temperature=0)
 
 def bwd64():  # the attention's timing at another of its lengths than the precompiled one
-    from fractus.bench.linear_attention import _fwd_bwd, make_inputs, omegas
+    from fractus.bench.linear_attention import _fwd_bwd, make_inputs
+    from fractus.model import level_omegas
     q, k, v, w, _, _ = make_inputs(8, 512, 20, 64, 2, dtype=torch.bfloat16)
-    _fwd_bwd("triton_bwd64", q, k, v, w, omegas(2))
+    _fwd_bwd("triton_bwd64", q, k, v, w, level_omegas(2))
 pre = keys(aot.launches(presets=model_runs(), extras=("bwd64",)))
 plan = levers.gpu_plan(cuda=True)
 kw = dict(min_tokens=0, min_steps=1, warmup=1, device="cpu", backend="triton")

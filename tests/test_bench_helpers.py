@@ -10,16 +10,9 @@ from fractus.bench import costmodel as cm
 from fractus.bench import levers as L
 from fractus.bench import probes as PR
 from fractus.bench import profile as P
-from fractus.model import FractusConfig, FractusCTE
+from fractus.model import FractusConfig, FractusCTE, level_omegas
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and one thread is immune to a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------ cost model
@@ -264,7 +257,7 @@ def test_fla_baseline_computes_the_models_attention(monkeypatch):
     bl._fla_fn.cache_clear()
     try:
         q, k, v, w, _, _ = bl.make_inputs(2, 37, 3, 16, 2)
-        oms = bl.omegas(2)
+        oms = level_omegas(2)
         assert common.rel_err(bl._run("fla", q, k, v, w, oms), bl._run("reference", q, k, v, w, oms)) < 1e-5
     finally:
         bl._fla_fn.cache_clear()

@@ -8,6 +8,7 @@ import zipfile
 import pytest
 import torch
 
+from fractus.atomic import atomic_open
 from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
@@ -94,6 +95,18 @@ def test_directories_are_named_so(tmp_path):
     with pytest.raises(CheckpointError, match="cannot write checkpoint .*: it is a directory"):
         save_checkpoint(tmp_path, {"config": {}, "model": {}})
     assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+def test_an_interrupted_atomic_write_keeps_the_old_file(tmp_path):
+    path = tmp_path / "f.csv"
+    path.write_text("old")
+    with pytest.raises(KeyboardInterrupt), atomic_open(path) as f:
+        f.write("half")
+        raise KeyboardInterrupt
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["f.csv"]
+    with atomic_open(path) as f:
+        f.write("new")
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["f.csv"]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])

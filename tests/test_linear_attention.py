@@ -6,20 +6,14 @@ import torch
 
 from fractus.kernels import linear_attention as la
 from fractus.kernels.linear_attention import linear_attention, linear_attention_reference
+from fractus.model import level_omegas
 from util import Launches, assert_lowp, assert_rel
 
-PHI = (1 + 5 ** 0.5) / 2
-OMEGAS = [PHI ** (-2 * l) for l in range(2)]
+OMEGAS = level_omegas(2)
 FP32_TOL = 1e-5  # fp32 paths vs the fp64 truth (measured errors are below 1e-6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: OpenMP threads only contend on shared cores (2-6x slower); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(B, T, H, D, decay, state, dtype=torch.float32, levels=2):
@@ -47,7 +41,7 @@ def run(inputs, dtype, grad=True, state_loss=True, **kw):
         leaves += [x.detach().to(sdt).requires_grad_(grad) for x in st]
     state = tuple(leaves[4:]) if st is not None else None
     g = None if g is None else g.to(sdt)
-    omegas = [PHI ** (-2 * lv) for lv in range(w.numel())]
+    omegas = level_omegas(w.numel())
     o, (S, z) = linear_attention(*leaves[:4], omegas, decay=g, state=state, **kw)
     outs = [o, S, z]
     if grad:
@@ -143,7 +137,7 @@ def test_no_grad_forward_writes_nothing_for_backward(monkeypatch):
     out = Launches(la._la_out_kernel)
     monkeypatch.setattr(la, "_la_out_kernel", out)
     q, k, v, w, g, (S0, z0) = (x.float() if torch.is_tensor(x) else x for x in make(2, 40, 2, 32, True, True))
-    omegas = [PHI ** (-2 * lv) for lv in range(w.numel())]
+    omegas = level_omegas(w.numel())
     args = [t.requires_grad_() for t in (q, k, v, w)]
     truth = linear_attention(*args, omegas, decay=g, state=(S0, z0), backend="reference")
     with torch.no_grad():

@@ -20,8 +20,8 @@ from fractus.data import TokenStreams, load_tokens, prepare, write_toy_corpus
 from fractus.data import main as data_main
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
-from fractus.tokenizer import eot_id, get_tokenizer
-from fractus.train import NonFiniteLoss, choose_active_blocks, main, micro_steps, train
+from fractus.tokenizer import get_tokenizer
+from fractus.train import NonFiniteLoss, main, micro_steps, set_active_blocks, train
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80  # optimizer steps of the reference run (2 streams × 16 tokens each)
@@ -493,13 +493,23 @@ def test_pgsu_changes_only_the_active_blocks(data, tmp_path):
     train(cli(data, out, "--eval-every", "0", "--active-blocks", "1", "--set", "n_layers=3", tokens=32))
     ck = load_checkpoint(out / "ckpt.pt")
     torch.manual_seed(1337)
-    init = FractusCTE(FractusConfig.from_dict(ck["config"])).state_dict()
-    active = choose_active_blocks(3, 1, 1337, 0)
+    fresh = FractusCTE(FractusConfig.from_dict(ck["config"]))
+    init = fresh.state_dict()
+    active = set_active_blocks(fresh, 1, 1337, 0)
     changed = {k for k, v in ck["model"].items() if not torch.equal(v, init[k])}
     for i in range(3):
         in_block = {k for k in changed if k.startswith(f"blocks.{i}.")}
         assert bool(in_block) == (i in active), f"block {i}: {sorted(in_block)[:3]}"
     assert "embed.weight" in changed and "ln_f.weight" in changed
+
+
+def test_pgsu_keeps_a_detached_clock_frozen():
+    model = FractusCTE(FractusConfig.preset("tiny", n_layers=3, detach_kuramoto=True))
+    for step in range(3):
+        active = set_active_blocks(model, 2, 0, step)
+        for i, blk in enumerate(model.blocks):
+            assert all(p.requires_grad == (i in active) for p in blk.attn.parameters())
+            assert not any(p.requires_grad for p in blk.clock.parameters())
 
 
 def test_grow_from_cli_keeps_the_loss(data, tmp_path, capsys):
@@ -600,7 +610,7 @@ def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
     enc = get_tokenizer(512)
     streams = TokenStreams(load_tokens(data, "val"), 2, 16)
     targets = torch.cat([streams.next()[1].flatten() for _ in range(streams.chunks_per_epoch)]).tolist()
-    n_bytes = sum(len(enc.decode_single_token_bytes(t)) for t in targets if t != eot_id(enc))
+    n_bytes = sum(len(enc.decode_single_token_bytes(t)) for t in targets if t != enc.eot_token)
     assert int(rows[0]["tokens"]) == len(targets)
     assert float(rows[0]["bpb"]) == pytest.approx(float(rows[0]["ce"]) * len(targets) / math.log(2) / n_bytes,
                                                   rel=1e-9)

@@ -1,7 +1,10 @@
-"""Error measures, a kernel-launch recorder and an autotune pin shared by the tests."""
+"""The tests' error asserts (on :func:`fractus.bench.common.rel_err`), a kernel-launch recorder and an
+autotune pin."""
 from contextlib import contextmanager
 
 import torch
+
+from fractus.bench.common import rel_err
 
 
 class Launches:
@@ -34,14 +37,6 @@ def pinned(kernel, config):
         yield
     finally:
         kernel.configs, kernel.cache = configs, cache
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ in fp64; NaN anywhere in x gives inf."""
-    x, ref = x.detach().double(), ref.detach().double()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def assert_rel(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:

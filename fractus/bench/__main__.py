@@ -1,9 +1,10 @@
 """``python -m fractus.bench cpu|aot|gpu``.
 
 ``cpu`` measures training throughput and each op's PyTorch path against its baseline and
-writes ``results/*_cpu.csv``. ``aot`` compiles every Triton kernel for sm_90 (H100/H200)
-without a GPU and writes ``results/aot_sm90.csv`` (:mod:`fractus.bench.aot`). ``gpu`` is the
-GPU suite (:mod:`fractus.bench.gpu`); ``--dry-run`` runs its code paths on CPU at tiny sizes.
+writes ``results/*_cpu.csv`` (tiny sizes under FRACTUS_SMOKE=1). ``aot`` compiles every Triton
+kernel for sm_90 (H100/H200) without a GPU and writes ``results/aot_sm90.csv``
+(:mod:`fractus.bench.aot`). ``gpu`` is the GPU suite (:mod:`fractus.bench.gpu`); ``--dry-run``
+runs its code paths on CPU at tiny sizes.
 """
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ from fractus.bench.common import SMOKE, write_csv
 SUBJECTS = ("train", "linear_attention", "moe", "cross_entropy")
 
 
-def run_cpu(out: Path, smoke: bool, only: list[str]) -> None:
+def run_cpu(out: Path, only: list[str]) -> None:
+    """Each subject's CPU rows → ``out/<subject>_cpu.csv`` (tiny sizes under FRACTUS_SMOKE=1)."""
     for name in only:
         mod = importlib.import_module(f"fractus.bench.{name}")
-        rows = mod.cpu_rows(smoke=smoke)
+        rows = mod.cpu_rows(smoke=SMOKE)
         path = write_csv(out / f"{name}_cpu.csv", rows)
         print(f"\n== {name} → {path}")
-        print(pd.DataFrame(rows).drop(columns=[], errors="ignore").to_string(index=False, max_colwidth=28))
+        print(pd.DataFrame(rows).to_string(index=False, max_colwidth=28))
 
 
 def run_aot(out: Path, arch: int, quick: bool, presets: list[str]) -> int:
@@ -57,7 +59,6 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cpu", help="CPU benchmarks → OUT/*_cpu.csv")
     c.add_argument("--out", default="results")
-    c.add_argument("--smoke", action="store_true", default=SMOKE, help="tiny sizes (FRACTUS_SMOKE=1)")
     c.add_argument("--only", nargs="*", default=list(SUBJECTS), choices=SUBJECTS)
     t = sub.add_parser("aot", help="compile every Triton kernel for an NVIDIA target, no GPU → OUT/aot_smARCH.csv")
     t.add_argument("--out", default="results")
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     keep_freed_memory()
     if a.cmd == "cpu":
-        run_cpu(Path(a.out), a.smoke, a.only)
+        run_cpu(Path(a.out), a.only)
     elif a.cmd == "aot":
         try:
             aot.check_environment()

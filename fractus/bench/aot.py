@@ -116,16 +116,17 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
 
 
 def _run_linear_attention(dtype):
-    from fractus.bench.linear_attention import make_inputs, omegas
+    from fractus.bench.linear_attention import make_inputs
     from fractus.kernels import linear_attention as la
+    from fractus.model import level_omegas
     B, H, D, Lv = 2, 8, 64, 2
     for T, carried in ((2048, False), (100, True)):  # chunked, forward and backward
         q, k, v, w, g, st = make_inputs(B, T, H, D, Lv, decay=carried, state=carried, dtype=dtype)
-        o, (S, z) = la._linear_attention_triton(q, k, v, w, omegas(Lv), g, st, 1e-6)
+        o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
         (o.float().sum() + S.sum() + z.sum()).backward()
     for T in (1, 5):  # decode: one token and a short prefix, with a carried state
         q, k, v, w, g, st = make_inputs(B, T, H, D, Lv, state=True, dtype=dtype, grad=False)
-        la._linear_attention_triton(q, k, v, w, omegas(Lv), g, st, 1e-6)
+        la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
 
 
 def _run_moe(dtype):
@@ -165,19 +166,21 @@ OPS = {"linear_attention": _run_linear_attention, "moe": _run_moe, "cross_entrop
 def _run_fla():
     """fla's chunk_linear_attn as the GPU suite times it (bf16, 40 level·heads, D=64), forward and
     backward, on the GPU when there is one (its wrappers pick configs by the device they find)."""
-    from fractus.bench.linear_attention import _fla_fn, make_inputs, omegas
+    from fractus.bench.linear_attention import _fla_fn, make_inputs
+    from fractus.model import level_omegas
     q, k, v, w, _, _ = make_inputs(8, 2048, 20, 64, 2, dtype=torch.bfloat16,
                                    device="cuda" if torch.cuda.is_available() else "cpu")
-    _fla_fn()[0](q, k, v, w, omegas(2)).float().sum().backward()
+    _fla_fn()[0](q, k, v, w, level_omegas(2)).float().sum().backward()
 
 
 def _run_bwd64():
     """The attention's backward in chunks of 64 (``triton_bwd64``) as the GPU suite times it (bf16,
     at each of its lengths: the chunk count is an argument Triton specialises on divisibility by 16)."""
-    from fractus.bench.linear_attention import GPU_TS, _fwd_bwd, make_inputs, omegas
+    from fractus.bench.linear_attention import GPU_TS, _fwd_bwd, make_inputs
+    from fractus.model import level_omegas
     for T in GPU_TS:
         q, k, v, w, _, _ = make_inputs(8, T, 20, 64, 2, dtype=torch.bfloat16)
-        _fwd_bwd("triton_bwd64", q, k, v, w, omegas(2))
+        _fwd_bwd("triton_bwd64", q, k, v, w, level_omegas(2))
 
 
 # what the GPU suite launches beside the ops' and the presets' steps: (module, what to run); every
@@ -196,7 +199,7 @@ def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int 
     scored). ``steps=0``: generation as the GPU suite times it instead. ``overrides`` go to the config."""
     from fractus.bench.gpu import GEN_PROMPT
     from fractus.model import FractusConfig, FractusCTE
-    from fractus.train import autocast, choose_active_blocks, micro_steps
+    from fractus.train import autocast, micro_steps, set_active_blocks
     cfg = FractusConfig.preset(preset, chunk_len=chunk_len, backend="triton", **overrides)
     torch.manual_seed(0)
     model = FractusCTE(cfg)
@@ -208,9 +211,7 @@ def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int 
     state = None
     for i in range(steps):
         if active_blocks:
-            act = set(choose_active_blocks(cfg.n_layers, active_blocks, 0, i))
-            for j, blk in enumerate(model.blocks):
-                blk.requires_grad_(j in act)
+            set_active_blocks(model, active_blocks, 0, i)
         x = torch.randint(0, cfg.vocab_size, (batch_size, chunk_len + 1))
         _, _, state, _ = micro_steps(model, [(x[:, :-1], x[:, 1:], False)], state, 1, head_positions, cpu, bf16)
     with torch.no_grad(), autocast(cpu, bf16):
@@ -470,5 +471,6 @@ def _line(row: dict) -> str:
 
 def check_environment() -> None:
     """Raise unless the kernels are real JIT functions (Triton's interpreter is off)."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    from fractus.kernels.backend import interpreting
+    if interpreting():
         raise RuntimeError("ahead-of-time compilation needs real JIT kernels: unset TRITON_INTERPRET")

@@ -19,14 +19,17 @@ from typing import Callable, Iterable
 
 import torch
 
+from fractus.atomic import atomic_open
+
 SMOKE = os.environ.get("FRACTUS_SMOKE", "0") == "1"
+REPO = Path(__file__).resolve().parents[2]  # the checkout: results/, data/
 
 
 def _code_cells(notebook_json: str) -> list[str]:
     return ["".join(c["source"]) for c in json.loads(notebook_json)["cells"] if c["cell_type"] == "code"]
 
 
-def git_sha(root: Path = Path(__file__).resolve().parents[2]) -> str:
+def git_sha(root: Path = REPO) -> str:
     """HEAD's short sha, with "-dirty" when a tracked file differs from it, except a run's own
     outputs: files under ``results/``, and notebooks whose code cells are HEAD's (a notebook run
     in place, as ``make notebooks`` does one after another, changes only its outputs)."""
@@ -90,13 +93,15 @@ def provenance(device: torch.device | str = "cpu") -> dict:
 
 
 def sync(device: torch.device | str) -> None:
+    """Wait for ``device``'s queued kernels (a no-op on CPU), so that wall times measure them."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
 def median_time(fn: Callable[[], object], warmup: int = 2, reps: int = 5,
                 device: torch.device | str = "cpu") -> float:
-    """Median wall time of ``fn()`` in seconds (``triton.testing.do_bench`` on CUDA)."""
+    """Median wall time of ``fn()`` in seconds: ``warmup`` calls, then the median of ``reps`` on
+    CPU; on CUDA ``triton.testing.do_bench``'s median (its own 25 ms warm-up and 100 ms of reps)."""
     if torch.device(device).type == "cuda":
         from triton.testing import do_bench
         return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
@@ -204,7 +209,7 @@ def cuda_context_lost(device: torch.device | str) -> bool:
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value), as in tests/util.py."""
+    """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value); the tests' measure too."""
     x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
     if not torch.isfinite(x).all():
         return float("inf")
@@ -280,10 +285,8 @@ def _write_rows(path: str | Path, rows: list[dict]) -> Path:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    os.replace(tmp, path)
     return path

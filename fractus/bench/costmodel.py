@@ -7,8 +7,9 @@ Counting rules (per token, forward; a multiply-add is 2 FLOPs):
   kernels run: per level, an intra-chunk part over ``attn_chunk`` positions (4·d·c) and the
   D×D state read and update (4·d·D); ``attn_chunk=1`` is the plain recurrence.
 - kuramoto: the encoder (2·d·N) and ``kuramoto_steps`` RK4 steps of 4 rate evaluations
-  (low-rank coupling 8·N·r, sin/cos counted as ``TRANSCENDENTAL`` FLOPs each); none with the
-  linear router, which has no clock.
+  (the low-rank coupling products 8·N·r of the PyTorch path; the Triton kernels multiply by the
+  dense K = U diag(λ) Uᵀ, 4·N², the same at every preset's r = N/2; sin/cos counted as
+  ``TRANSCENDENTAL`` FLOPs each); none with the linear router, which has no clock.
 - moe: the gate, then ``top_k`` experts (low-rank: 4·d·r + 4·F·r, dense: 4·d·F) plus gelu.
 - head: the tied (or separate) head and its cross-entropy, 2·d·V + 5·V, on the supervised
   positions only (``head_positions="last"`` divides it by the chunk length).

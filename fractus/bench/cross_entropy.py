@@ -83,7 +83,6 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
     case = dict(N=256, d=64, V=2048) if smoke else CPU_CASE
     reps = dict(warmup=1, reps=2 if smoke else 3)
     impls = ("torch", "naive")
-    # peaks first: a spawned child's ru_maxrss starts at this process's RSS when it was forked
     peaks = [common.cpu_peak_bytes("fractus.bench.cross_entropy:peak_case", impl=i, **case) for i in impls]
     h, w, t = make_case(**case)
     rows = []

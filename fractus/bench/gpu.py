@@ -22,7 +22,6 @@ on CPU at tiny sizes (kernels through Triton's interpreter); CI runs it.
 """
 from __future__ import annotations
 
-import csv
 import importlib
 import json
 import os
@@ -39,14 +38,15 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from fractus.atomic import atomic_open
 from fractus.bench import aot, levers, profile
-from fractus.bench.common import check_rows, cuda_context_lost, cuda_name, median_time, provenance, write_csv
+from fractus.bench.common import check_rows, cuda_context_lost, cuda_name, median_time, provenance, sync, write_csv
 from fractus.bench.costmodel import H200_DATASHEET, H200_NVL_BF16_TFLOPS, flops_per_token
 from fractus.bench.train import measure_training
 from fractus.data import prepare, write_toy_corpus
 from fractus.kernels import backend as _backend
 from fractus.model import FractusConfig, FractusCTE
-from fractus.train import train
+from fractus.train import read_metrics, train
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
 TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
@@ -175,7 +175,7 @@ RESUME_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "v
 RESUME_RTOL = 1e-3  # CUDA's atomic adds (the PyTorch path's index_add_) reorder fp32 sums between runs
 
 
-def trainer_rows(device: torch.device, dry_run: bool) -> list[dict]:
+def trainer_rows(device: torch.device) -> list[dict]:
     """``python -m fractus.train`` on the device (tiny preset, a toy corpus, bf16 autocast on CUDA;
     the PyTorch kernels' path, which compiles nothing: the Triton path's training is timed by
     ``train_throughput``): 6 steps in one go, and 3 steps then ``--resume`` from the checkpoint saved
@@ -191,10 +191,8 @@ def trainer_rows(device: torch.device, dry_run: bool) -> list[dict]:
         train([*args, "--out", str(tmp / "run"), "--stop-after", "3"])
         train([*args, "--out", str(tmp / "run"), "--resume"])
         seconds = time.perf_counter() - t0
-        runs = []
-        for name in ("full", "run"):
-            with open(tmp / name / "metrics.csv", newline="") as f:
-                runs.append([{k: float(r[k]) if r[k] else None for k in RESUME_FIELDS} for r in csv.DictReader(f)])
+        runs = [[{k: float(r[k]) if r[k] else None for k in RESUME_FIELDS}
+                 for r in read_metrics(tmp / name / "metrics.csv")] for name in ("full", "run")]
     full, resumed = runs
     diff = 0.0 if len(full) == len(resumed) else float("inf")
     for a, b in zip(full, resumed):
@@ -217,12 +215,10 @@ def generation_rows(device: torch.device, dry_run: bool) -> Iterator[dict]:
         n_new = 4 if dry_run else 64
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not dry_run):
             model.generate(GEN_PROMPT, 2, temperature=0)  # compile / warm up: the timed prompt's shapes
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             t0 = time.perf_counter()
             model.generate(GEN_PROMPT, n_new, temperature=0.9, top_k=50, seed=0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
         yield {"preset": preset, "batch_size": 1, "new_tokens": n_new, "tok_s": n_new / (time.perf_counter() - t0),
                "dtype": "fp32" if dry_run else "bf16"}
 
@@ -277,7 +273,7 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
     for k in KERNELS:
         fns[f"correctness_{k}"] = lambda k=k: poisoned(lambda: bench(k).correctness_rows(device, smoke=dry_run))
     fns["correctness_kuramoto"] = lambda: poisoned(lambda: kuramoto_rows(device, dry_run, timing=False))
-    fns["trainer_resume"] = lambda: trainer_rows(device, dry_run)
+    fns["trainer_resume"] = lambda: trainer_rows(device)
     # the training target before the kernels' timings: those also compile and autotune the baselines
     fns["train_throughput"] = lambda: train_rows(device, dry_run, peak_tflops())
     for k in KERNELS:
@@ -406,7 +402,7 @@ def _run_in_fresh_process(out: Path, names: list[str], dry_run: bool, t_start: f
             proc.wait()
         ended = (f"was stopped after {timeout:.0f} s (the time budget)" if isinstance(e, subprocess.TimeoutExpired)
                  else f"was stopped ({e})")
-    try:  # written whole or not at all (os.replace), but a killed child may leave none
+    try:  # written whole or not at all (atomic_open), but a killed child may leave none
         done = json.loads(result.read_text())
         result.unlink()
         return {n: pd.read_csv(out / f"{n}.csv") for n in done["stages"]}, done["failures"]
@@ -423,9 +419,8 @@ def resume_stages(out: Path, names: list[str], dry_run: bool, t_start: float, bu
     with stop_on_sigterm():
         tables, failures = run_stages(out, names, dry_run, t_start, budget_s)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what ran is handed back, whatever comes now
-        tmp = out / (RESULT_FILE + ".tmp")
-        tmp.write_text(json.dumps({"stages": list(tables), "failures": failures}))
-        os.replace(tmp, out / RESULT_FILE)
+        with atomic_open(out / RESULT_FILE) as f:
+            f.write(json.dumps({"stages": list(tables), "failures": failures}))
 
 
 def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -> dict[str, pd.DataFrame]:

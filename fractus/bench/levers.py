@@ -29,17 +29,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes
-from fractus.bench.train import measure_training
+from fractus.bench.common import REPO, cpu_peak_bytes, cuda_peak_bytes
+from fractus.bench.train import measure_training, random_batches
 from fractus.data import TokenStreams, load_meta, load_tokens, prepare
-from fractus.model import FractusConfig, FractusCTE
+from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-from fractus.train import choose_active_blocks, evaluate, lr_lambda, make_optimizer, micro_steps
+from fractus.train import DEFAULT_LR, evaluate, lr_lambda, make_optimizer, micro_steps, set_active_blocks
 
-REPO = Path(__file__).resolve().parents[2]
 REFERENCE_TOKENS_PER_STEP = 2048  # the trainer's defaults: 8 streams × 32 positions × accumulation 8
-# Model dimensions that FRACTUS_SMOKE runs use instead of a preset's (the 'tiny' preset's dims).
-SMOKE_DIMS = dict(d_model=32, n_heads=2, expert_d_ff=32, expert_rank=8, n_oscillators=4, coupling_rank=2)
+# Model dimensions that FRACTUS_SMOKE runs use instead of a preset's: the 'tiny' preset's widths.
+SMOKE_DIMS = {k: PRESETS["tiny"][k] for k in ("d_model", "n_heads", "expert_d_ff", "expert_rank",
+                                              "n_oscillators", "coupling_rank")}
 
 
 DATA_NAMES = {8192: "shakespeare-8k", 50257: "shakespeare-50k"}
@@ -91,8 +91,7 @@ class Recipe:
         for its 2048 tokens per step, scaled by √(tokens per step / 2048). Unscaled, at the
         original baseline's 16 tokens per step (tied head, vocabulary 50257), validation CE
         rose above a uniform guess's in our runs (12.9 vs 10.8 nats after 32k tokens)."""
-        base = 0.1 if self.optimizer == "sgd" else 2e-3
-        return base * math.sqrt(self.tokens_per_step() / REFERENCE_TOKENS_PER_STEP)
+        return DEFAULT_LR[self.optimizer] * math.sqrt(self.tokens_per_step() / REFERENCE_TOKENS_PER_STEP)
 
     def model_overrides(self) -> dict:
         """The config overrides :func:`fractus.bench.train.measure_training` takes."""
@@ -210,12 +209,10 @@ def compile_effect(recipe: Recipe, min_tokens: int = 4096, min_steps: int = 3) -
     opt = make_optimizer(model, recipe.optimizer, recipe.lr(), 0.0)
     fwd = torch.compile(model)
     g = torch.Generator().manual_seed(0)
-    V, B, C, device = model.cfg.vocab_size, recipe.batch_size, recipe.chunk_len, torch.device("cpu")
+    device = torch.device("cpu")
 
     def batches():
-        for _ in range(recipe.accum):
-            x = torch.randint(0, V, (B, C + 1), generator=g)
-            yield x[:, :-1], x[:, 1:], False
+        return random_batches(g, model.cfg.vocab_size, recipe.batch_size, recipe.chunk_len, recipe.accum)
 
     x, y, _ = next(batches())
     t0 = time.perf_counter()
@@ -245,19 +242,12 @@ def recipe_step_thunk(device: str = "cpu", **fields):
     model = FractusCTE(recipe.config()).to(device)
     opt = make_optimizer(model, recipe.optimizer, recipe.lr(), 0.01)
     if recipe.active_blocks:
-        act = set(choose_active_blocks(len(model.blocks), recipe.active_blocks, 0, 0))
-        for i, blk in enumerate(model.blocks):
-            blk.requires_grad_(i in act)
+        set_active_blocks(model, recipe.active_blocks, 0, 0)
     g = torch.Generator().manual_seed(0)
-    V = model.cfg.vocab_size
-
-    def batches():
-        for _ in range(recipe.accum):
-            x = torch.randint(0, V, (recipe.batch_size, recipe.chunk_len + 1), generator=g)
-            yield x[:, :-1], x[:, 1:], False
 
     def run():
-        micro_steps(model, batches(), None, recipe.accum, recipe.head_positions, device, False)
+        batches = random_batches(g, model.cfg.vocab_size, recipe.batch_size, recipe.chunk_len, recipe.accum)
+        micro_steps(model, batches, None, recipe.accum, recipe.head_positions, device, False)
         opt.step()
     return run
 
@@ -326,9 +316,7 @@ def short_train(recipe: Recipe, tokens: int, eval_tokens: int, *, seed: int = 0,
     state, ce = None, float("nan")
     for step in range(steps):
         if recipe.active_blocks:
-            act = set(choose_active_blocks(cfg.n_layers, recipe.active_blocks, seed, step))
-            for i, blk in enumerate(model.blocks):
-                blk.requires_grad_(i in act)
+            set_active_blocks(model, recipe.active_blocks, seed, step)
         batches = (streams.next() for _ in range(recipe.accum))
         ce, _, state, finite = micro_steps(fwd, batches, state, recipe.accum, recipe.head_positions,
                                            device, False)

@@ -27,16 +27,12 @@ import torch.nn.functional as F
 from fractus.bench import common
 from fractus.kernels import linear_attention as la_kernels
 from fractus.kernels.linear_attention import linear_attention
+from fractus.model import level_omegas
 
-PHI = (1 + 5 ** 0.5) / 2
 CPU_THREADS = 1  # CPU timings: the bench machine's 2 cores are shared, OpenMP contention is erratic
 
 
 GPU_TS = (512, 2048, 8192)  # sequence lengths the GPU suite times (B=8, 40 level·heads, D=64, bf16)
-
-
-def omegas(levels):
-    return [PHI ** (-2 * l) for l in range(levels)]
 
 
 def make_inputs(B, T, H, D, levels=2, decay=False, state=False, dtype=torch.float32,
@@ -98,14 +94,14 @@ def _backward_chunk(n):
         la_kernels._BWD_CHUNK = default
 
 
-def _run(impl, q, k, v, w, oms, g=None, st=None):
-    """impl ∈ torch / triton / triton_bwd64 / reference / materialising / fla → o (state ignored
-    for the last two; triton_bwd64's forward is triton's, see _fwd_bwd)."""
+def _run(impl, q, k, v, w, oms):
+    """impl ∈ torch / triton / triton_bwd64 / reference / materialising / fla → o, from a zero
+    state (triton_bwd64's forward is triton's, see _fwd_bwd)."""
     if impl == "materialising":
         return materialising(q, k, v, w, oms)
     if impl == "fla":
         return _fla_fn()[0](q, k, v, w, oms)
-    return linear_attention(q, k, v, w, oms, g, st, backend=impl.removesuffix("_bwd64"))[0]
+    return linear_attention(q, k, v, w, oms, backend=impl.removesuffix("_bwd64"))[0]
 
 
 def _fwd_bwd(impl, q, k, v, w, oms):
@@ -118,17 +114,15 @@ def _fwd_bwd(impl, q, k, v, w, oms):
 def peak_case(impl, B, T, H, D, levels):
     """For cpu_peak_bytes: inputs, then a forward+backward thunk."""
     q, k, v, w, _, _ = make_inputs(B, T, H, D, levels)
-    oms = omegas(levels)
+    oms = level_omegas(levels)
     return lambda: _fwd_bwd(impl, q, k, v, w, oms)
 
 
 # ----------------------------------------------------------------------------- CPU
 def cpu_rows(smoke: bool = False) -> list[dict]:
-    """(a) chunked vs reference; (b) chunked vs materialising + the T-scaling check (fp32).
-
-    Peak RSS is measured first: a spawned child's ru_maxrss starts at the parent's RSS at spawn
-    time, so it must be taken while this process is still small. Timings run on CPU_THREADS
-    threads (the bench machine's cores are shared; OpenMP with oversubscribed cores is erratic)."""
+    """(a) chunked vs reference; (b) chunked vs materialising + the T-scaling check (fp32); peak
+    RSS of each in a fresh process. Timings run on CPU_THREADS threads (the bench machine's cores
+    are shared; OpenMP with oversubscribed cores is erratic)."""
     b = dict(B=1, T=256, H=2, D=16) if smoke else dict(B=1, T=1024, H=16, D=64)
     peaks = {impl: common.cpu_peak_bytes("fractus.bench.linear_attention:peak_case", impl=impl, **b, levels=1)
              for impl in ("torch", "materialising")}
@@ -147,7 +141,7 @@ def _cpu_timings(smoke, b, peaks):
     # (a) chunked PyTorch path vs the token-by-token reference, 2 levels with decay
     a = dict(B=1, T=64, H=2, D=32) if smoke else dict(B=1, T=512, H=4, D=64)
     q, k, v, w, g, _ = make_inputs(**a, levels=2, decay=True)
-    oms = omegas(2)
+    oms = level_omegas(2)
     times = {}
     for impl in ("torch", "reference"):
         def thunk(impl=impl):
@@ -162,7 +156,7 @@ def _cpu_timings(smoke, b, peaks):
     del q, k, v, w, g
     # (b) chunked vs materialising at T=1024, D=64, 16 heads, B=1, one level
     q, k, v, w, _, _ = make_inputs(**b, levels=1)
-    oms = omegas(1)
+    oms = level_omegas(1)
     tm_ = common.median_time(lambda: _fwd_bwd("materialising", q, k, v, w, oms), **reps)
     # linear in T: the chunked path at T and 4·T, timed alternately (the shared machine's load
     # drifts; interleaving exposes both sizes to the same drift)
@@ -225,7 +219,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
     else:
         device, dtype, H, Lv, D, B, Ts = "cuda", torch.bfloat16, 20, 2, 64, 8, GPU_TS
     dname = str(dtype).replace("torch.", "")
-    oms = omegas(Lv)
+    oms = level_omegas(Lv)
     timer = (lambda f: common.median_time(f, warmup=1, reps=2, device=device)) if smoke else \
         (lambda f: common.median_time(f, device=device))
     rows = []
@@ -327,7 +321,7 @@ def _outputs(backend, inputs, dtype, grad):
     leaves += [w.detach().to(sdt).requires_grad_(grad)]
     leaves += [x.detach().to(sdt).requires_grad_(grad) for x in st]
     with torch.set_grad_enabled(grad):
-        o, (S, z) = linear_attention(*leaves[:4], omegas(w.numel()), g.to(sdt), tuple(leaves[4:]),
+        o, (S, z) = linear_attention(*leaves[:4], level_omegas(w.numel()), g.to(sdt), tuple(leaves[4:]),
                                      backend=backend)
     outs = [o, S, z]
     if grad:

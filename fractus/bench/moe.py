@@ -118,7 +118,6 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
     chunk = 16 if smoke else GATHER_CHUNK
     rounds = 2 if smoke else 5
     impls = (("torch", None), ("gather", chunk))
-    # Peaks first: a spawned child starts with the parent's RSS as its high-water mark.
     peaks = [common.cpu_peak_bytes("fractus.bench.moe:peak_case", impl=impl, N=N, chunk=ch, **dims)
              for impl, ch in impls]
     x, idx, w, ex = make_case(N, **dims)

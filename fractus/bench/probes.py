@@ -12,13 +12,12 @@ import torch
 from fractus.bench.levers import Recipe, short_train, shakespeare
 from fractus.checkpoint import weights_fingerprint
 from fractus.data import load_meta, load_tokens
+from fractus.merge import distance_to_mean, merge
 from fractus.model import FractusCTE
+from fractus.sample import ORIGINAL_PROMPTS as PROMPTS
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import evaluate
 
-# The original's prompts (the trainer samples the first, second and last at the end of a run).
-PROMPTS = ("The meaning of life is", "Hello, my name is", "In mathematics, a continuous system",
-           "Fractus thinks", "Once upon a time")
 # Decoding strategies compared by the repetition probe: name → model.generate keyword arguments.
 STRATEGIES = {
     "greedy": dict(temperature=0.0),
@@ -110,7 +109,6 @@ def mean_merge(states: list[dict]) -> dict:
 def merge_checkpoints(models: list[FractusCTE], ancestor: str) -> FractusCTE:
     """Mean of the models, all started from the weights with fingerprint ``ancestor``, through
     :func:`fractus.merge.merge` (checkpoints written to a temporary folder), loaded back as a model."""
-    from fractus.merge import merge
     with tempfile.TemporaryDirectory() as tmp:
         paths = []
         for i, m in enumerate(models):
@@ -154,17 +152,11 @@ def merge_probe(recipe: Recipe, tokens_per_half: int, eval_tokens: int, seed: in
     tb = token_byte_lengths(get_tokenizer(cfg.vocab_size))
     val = load_tokens(data, "val", meta)
 
-    def dist(m):
-        num = sum(float((p.double() - msd[k].double()).pow(2).sum()) for k, p in m.state_dict().items()
-                  if p.is_floating_point())
-        den = sum(float(p.double().pow(2).sum()) for p in msd.values() if p.is_floating_point())
-        return (num / den) ** 0.5
-
     rows = []
     for name, m, seen in (("initialisation", init, 0), ("half A", runs["half A"], tokens_per_half),
                           ("half B", runs["half B"], tokens_per_half),
                           ("mean-merge of A and B", merged, 2 * tokens_per_half)):
         r = evaluate(m, val, 8, 32, eval_tokens, tb, torch.device("cpu"))
         rows.append({"model": name, "val_ce": r["val_ce"], "val_bpb": r["val_bpb"],
-                     "relative_distance_to_merge": dist(m), "tokens_seen": seen})
+                     "relative_distance_to_merge": distance_to_mean(m.state_dict(), msd), "tokens_seen": seen})
     return {"rows": rows, "merge_vs_mean": gap, "unigram_entropy": meta["val"]["unigram_entropy_nats"]}

@@ -23,6 +23,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from fractus.bench.common import sync
 from fractus.bench.levers import Recipe
 from fractus.model import FractusCTE
 from fractus.train import autocast, make_optimizer
@@ -51,30 +52,26 @@ class _Iteration:
         self.x, self.y = x[:, :-1].to(self.device), x[:, 1:].to(self.device)
         self.state = None
 
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
     def run(self, mark: bool = False) -> tuple[float, float, float]:
         """One iteration; returns the seconds of forward, backward, optimizer."""
         ctx = (lambda name: record_function(_MARK + name)) if mark else (lambda name: nullcontext())
         times = []
-        self._sync()
+        sync(self.device)
         t0 = time.perf_counter()
         with ctx("forward"), autocast(self.device, self.bf16):
             _, parts, state = self.model(self.x, self.state, self.y, self.recipe.head_positions)
-        self._sync()
+        sync(self.device)
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with ctx("backward"):
             parts["loss"].backward()
-        self._sync()
+        sync(self.device)
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with ctx("optimizer"):
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-        self._sync()
+        sync(self.device)
         times.append(time.perf_counter() - t0)
         self.state = FractusCTE.detach_state(state)
         return tuple(times)

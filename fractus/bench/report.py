@@ -10,9 +10,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from fractus.bench.common import SMOKE, provenance
+from fractus.bench.common import REPO, SMOKE, provenance
 
-REPO = Path(__file__).resolve().parents[2]
 # The GPU suite's CSVs (``python -m fractus.bench gpu --out results/gpu``); FRACTUS_GPU_RESULTS reads another folder.
 GPU_DIR = Path(os.environ.get("FRACTUS_GPU_RESULTS", REPO / "results" / "gpu"))
 

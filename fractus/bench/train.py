@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes, in_fresh_process
+from fractus.bench.common import in_fresh_process, sync
 from fractus.model import FractusConfig, FractusCTE
-from fractus.train import choose_active_blocks, make_optimizer, micro_steps
+from fractus.train import make_optimizer, micro_steps, set_active_blocks
 
 
 def _setup(preset, batch_size, chunk_len, accum, optimizer, lr, device, compile, seed, overrides):
@@ -22,13 +22,15 @@ def _setup(preset, batch_size, chunk_len, accum, optimizer, lr, device, compile,
     opt = make_optimizer(model, optimizer, lr, 0.0)
     fwd = torch.compile(model) if compile else model
     g = torch.Generator().manual_seed(seed)
+    return cfg, model, opt, fwd, lambda: random_batches(g, cfg.vocab_size, batch_size, chunk_len, accum)
 
-    def batches():
-        for _ in range(accum):
-            x = torch.randint(0, cfg.vocab_size, (batch_size, chunk_len + 1), generator=g)
-            yield x[:, :-1], x[:, 1:], False
 
-    return cfg, model, opt, fwd, batches
+def random_batches(g: torch.Generator, vocab_size: int, batch_size: int, chunk_len: int, accum: int):
+    """``accum`` micro-batches of uniform random tokens as :func:`fractus.train.micro_steps` takes
+    them: (x [B, C], next tokens y [B, C], False: no stream reset)."""
+    for _ in range(accum):
+        x = torch.randint(0, vocab_size, (batch_size, chunk_len + 1), generator=g)
+        yield x[:, :-1], x[:, 1:], False
 
 
 def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len: int = 32,
@@ -47,17 +49,13 @@ def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len:
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if active_blocks:
-            act = set(choose_active_blocks(cfg.n_layers, active_blocks, seed, i))
-            for j, blk in enumerate(model.blocks):
-                blk.requires_grad_(j in act)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+            set_active_blocks(model, active_blocks, seed, i)
+        sync(device)
         t0 = time.perf_counter()
         ce, _, state, finite = micro_steps(fwd, batches(), state, accum, head_positions, device, bf16)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         if not finite:
@@ -73,27 +71,6 @@ def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len:
             "steps_timed": steps,
             **({"peak_mem_bytes": torch.cuda.max_memory_allocated(device)} if device.type == "cuda" else {}),
             **{k: v for k, v in overrides.items()}}
-
-
-def step_thunk(preset: str = "palier0", batch_size: int = 8, chunk_len: int = 32, accum: int = 1,
-               optimizer: str = "sgd", head_positions: str = "all", device: str = "cpu", **overrides):
-    """Build a model and return a thunk running one optimizer step (for peak-memory probes)."""
-    device = torch.device(device)
-    _, _, opt, fwd, batches = _setup(preset, batch_size, chunk_len, accum, optimizer, 1e-3, device,
-                                     False, 0, overrides)
-
-    def run():
-        micro_steps(fwd, batches(), None, accum, head_positions, device, False)
-        opt.step()
-    return run
-
-
-def peak_memory(device: str = "cpu", **kw) -> int:
-    """Peak bytes of a first optimizer step above the built model (activations, gradients,
-    optimizer state), measured in a fresh process on CPU."""
-    if torch.device(device).type == "cuda":
-        return cuda_peak_bytes(step_thunk(device=device, **kw))
-    return cpu_peak_bytes("fractus.bench.train:step_thunk", **kw)
 
 
 CPU_TARGETS = [  # (preset, vocab, target tok/s) from the foundation issue; B=8, C=32, SGD, accum 8

@@ -9,9 +9,10 @@ Dense experts (keys W1 [E, d, F], b1 [E, F], W2 [E, F, d], b2 [E, d]):
     f_e(m) = gelu(m W1_e + b1_e) W2_e + b2_e
 gelu is the exact erf gelu. The expert kind is chosen by which keys are present.
 
-The experts may be in a wider dtype than x (fp32 masters under autocast): every path computes in
-x's dtype with fp32 accumulation, and the Triton kernels cast each weight tile as they load it,
-so no step copies all E experts and their gradients come back fp32.
+The experts may be in a wider dtype than x (fp32 masters under autocast): the sorted PyTorch and
+Triton paths compute in x's dtype with fp32 accumulation (the reference in fp32), and the Triton
+kernels cast each weight tile as they load it, so no step copies all E experts and their
+gradients come back fp32.
 """
 from __future__ import annotations
 
