@@ -63,6 +63,11 @@ def load_checkpoint(path: str | Path) -> dict:
                               f"checkpoint ({describe(e)})") from None
     if not isinstance(ckpt, dict) or "config" not in ckpt or "model" not in ckpt:
         raise CheckpointError(f"{path} is not a Fractus checkpoint (no 'config'/'model' entries)")
+    model = ckpt["model"]
+    if (not isinstance(ckpt["config"], dict) or not isinstance(model, dict)
+            or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())):
+        raise CheckpointError(f"{path} is not a Fractus checkpoint: 'config' must be a dict and 'model' a dict "
+                              f"of named tensors")
     return ckpt
 
 

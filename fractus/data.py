@@ -80,24 +80,29 @@ def read_documents(path: str | Path) -> list[tuple[str, str]]:
 
 
 def split_documents(docs, val_names=None, val_fraction: float = 0.1):
-    """Split whole documents; a single document is split at a line boundary near the end."""
+    """(train, val) lists of (name, text). With ``val_names``: those documents are validation.
+    Otherwise validation is the last ``val_fraction`` of the text (in characters, documents in
+    order): whole documents from the end, and the one the boundary falls in is cut at the line
+    break before it (named ``<name>:train`` and ``<name>:val``)."""
     docs = [(n, t) for n, t in docs if t.strip()]
     if not docs:
         raise ValueError("the corpus is empty: no non-blank text found")
     if val_names is not None:
         val = [d for d in docs if d[0] in val_names]
         train = [d for d in docs if d[0] not in val_names]
-    elif len(docs) == 1:
-        name, text = docs[0]
-        cut = text.rfind("\n", 0, int(len(text) * (1 - val_fraction)))
-        cut = cut + 1 if cut > 0 else int(len(text) * (1 - val_fraction))
-        train, val = [(name + ":train", text[:cut])], [(name + ":val", text[cut:])]
     else:
-        total, acc, k = sum(len(t) for _, t in docs), 0, len(docs)
-        while k > 1 and acc < val_fraction * total:
+        need = val_fraction * sum(len(t) for _, t in docs)
+        k = len(docs)
+        while k > 0 and len(docs[k - 1][1]) <= need:
             k -= 1
-            acc += len(docs[k][1])
+            need -= len(docs[k][1])
         train, val = docs[:k], docs[k:]
+        if k > 0 and need >= 1:  # cut the boundary document
+            name, text = train.pop()
+            at = len(text) - int(need)
+            cut = text.rfind("\n", 0, at) + 1 or at
+            train += [(name + ":train", text[:cut])] if text[:cut].strip() else []
+            val.insert(0, (name + ":val", text[cut:]))
     if not train or not val or not any(t.strip() for _, t in val):
         raise ValueError("the corpus is too small to hold both a training and a validation split")
     return train, val
@@ -110,8 +115,13 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def token_dtype(vocab_size: int) -> type:
+    """The token files' integer type: uint16 when every id fits, else uint32."""
+    return np.uint16 if vocab_size <= 65536 else np.uint32
+
+
 def _write_tokens(path: Path, ids: list[int], vocab_size: int) -> None:
-    dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    dtype = token_dtype(vocab_size)
     with atomic_open(path, "wb") as f:
         np.asarray(ids, dtype=dtype).tofile(f)
 
@@ -190,7 +200,7 @@ def load_meta(data_dir: str | Path) -> dict:
 def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> np.memmap:
     """The split's token ids as a read-only memory map; every id checked against the vocabulary."""
     meta = meta or load_meta(data_dir)
-    dtype = np.uint16 if meta["vocab_size"] <= 65536 else np.uint32
+    dtype = token_dtype(meta["vocab_size"])
     path = Path(data_dir) / f"{split}.bin"
     n, size = meta[split]["tokens"], path.stat().st_size
     if size != n * np.dtype(dtype).itemsize:
@@ -249,7 +259,8 @@ def main(argv=None) -> None:
     p.add_argument("--input", required=True, help="file, directory, or 'shakespeare'")
     p.add_argument("--out", required=True)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="validation: this fraction of the text, from its end (default: 0.1)")
     p.add_argument("--force", action="store_true", help="replace the prepared data already in --out")
     a = ap.parse_args(argv)
     try:

@@ -20,6 +20,7 @@ from fractus.bench.common import append_csv, csv_rows, provenance
 from fractus.checkpoint import CheckpointError
 from fractus.cli import device_name, positive_int
 from fractus.data import load_meta, load_tokens
+from fractus.kernels.backend import BACKENDS
 from fractus.model import FractusCTE
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import evaluate
@@ -28,11 +29,12 @@ COLUMNS = ("checkpoint", "data", "split", "streams", "chunk_len", "tokens", "ce"
 
 
 def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "val", streams: int = 8,
-                        chunk_len: int = 32, max_tokens: int | None = None, device: str = "cpu") -> dict:
-    """{val_ce, val_bpb, val_ppl, val_tokens} of the checkpoint's model on ``split`` of ``data``;
-    ValueError if the CE is not finite."""
+                        chunk_len: int = 32, max_tokens: int | None = None, device: str = "cpu",
+                        backend: str = "auto") -> dict:
+    """{val_ce, val_bpb, val_ppl, val_tokens} of the checkpoint's model on ``split`` of ``data``
+    (kernels: ``backend``, whatever the checkpoint was trained with); ValueError if the CE is not finite."""
     meta = load_meta(data)
-    model = FractusCTE.load(ckpt).to(device)
+    model = FractusCTE.load(ckpt, backend=backend).to(device)
     if model.cfg.vocab_size != meta["vocab_size"]:
         raise CheckpointError(f"{ckpt} has vocab_size {model.cfg.vocab_size}, the data {data} "
                               f"{meta['vocab_size']}")
@@ -56,6 +58,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=positive_int, default=None,
                     help="about this many targets, whole chunks of every stream, at least one (default: all)")
     ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="kernels (auto: Triton on CUDA, PyTorch on CPU), whatever the checkpoint was trained with")
     ap.add_argument("--csv", help="append the result as a row of this CSV")
     a = ap.parse_args(argv)
     if a.csv and Path(a.csv).is_dir():
@@ -63,7 +67,7 @@ def main(argv=None) -> None:
     try:
         if a.csv:  # a file that cannot take the row is refused before the evaluation
             csv_rows(a.csv, [*COLUMNS, *provenance(a.device)])
-        r = evaluate_checkpoint(a.ckpt, a.data, a.split, a.streams, a.chunk_len, a.tokens, a.device)
+        r = evaluate_checkpoint(a.ckpt, a.data, a.split, a.streams, a.chunk_len, a.tokens, a.device, a.backend)
         print(f"{a.ckpt} on {a.split} ({r['val_tokens']:,} tokens, {a.streams} streams): CE {r['val_ce']:.4f} "
               f"nats/token, {r['val_bpb']:.4f} bits/byte, perplexity {r['val_ppl']:.1f}")
         if a.csv:

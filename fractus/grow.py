@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from fractus.checkpoint import check_finite
 from fractus.model import FractusConfig, FractusCTE, farey_phases
 
 # Config fields that growth keeps, and those that may only grow.
@@ -235,6 +236,7 @@ def grow(model_or_ckpt: FractusCTE | str | Path, target_cfg: FractusConfig) -> F
     the result is on the source model's device, in training mode."""
     old = model_or_ckpt if isinstance(model_or_ckpt, torch.nn.Module) else FractusCTE.load(model_or_ckpt)
     old = getattr(old, "_orig_mod", old)
+    check_finite(old.state_dict(), model_or_ckpt if isinstance(model_or_ckpt, (str, Path)) else "the model to grow")
     src, cfg = old.cfg, target_cfg
     check_growable(src, cfg)
     new = FractusCTE(cfg)

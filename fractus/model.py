@@ -106,7 +106,7 @@ class FractusConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown config keys {sorted(unknown)}; the fields are {sorted(known)}")
+            raise ValueError(f"unknown config keys {sorted(map(str, unknown))}; the fields are {sorted(known)}")
         return cls(**d)
 
 
@@ -389,6 +389,8 @@ class FractusCTE(nn.Module):
 
     def run_blocks(self, x: torch.Tensor, state: State | None):
         """x [B, T, d] → (final normed hidden [B, T, d], new state, lb total, routing)."""
+        if state is not None and len(state) != len(self.blocks):
+            raise ValueError(f"state holds {len(state)} blocks' (S, z), the model has {len(self.blocks)} blocks")
         new_state, lb, routing = [], x.new_zeros((), dtype=torch.float32), []
         h = x
         for i, block in enumerate(self.blocks):
@@ -455,9 +457,11 @@ class FractusCTE(nn.Module):
     def tick_vec(self, vec: torch.Tensor, state: State | None):
         """One position whose input is a d-vector (an image patch, a 'thinking' tick):
         vec [B, d] → (logits [B, V], new state)."""
-        if vec.shape[-1] != self.cfg.d_model:
-            raise ValueError(f"tick_vec expects [B, {self.cfg.d_model}], got {tuple(vec.shape)}")
-        logits, _, state = self.forward_embeds(vec.view(-1, 1, self.cfg.d_model), state)
+        if vec.dim() != 2 or vec.shape[-1] != self.cfg.d_model or not vec.is_floating_point():
+            raise ValueError(f"tick_vec expects a floating [B, {self.cfg.d_model}] tensor, "
+                             f"got shape {tuple(vec.shape)} {vec.dtype}")
+        vec = vec.to(self.embed.weight.dtype)  # it stands where an embedding row would
+        logits, _, state = self.forward_embeds(vec[:, None], state)
         return logits[:, 0], state
 
     @torch.no_grad()
@@ -479,10 +483,11 @@ class FractusCTE(nn.Module):
         ids = ids.to(device=self.embed.weight.device, dtype=torch.long)
         if ids.numel() == 0:
             raise ValueError("the prompt is empty: give at least one token")
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
-        if top_k is not None and top_k < 1 or top_p is not None and not 0 < top_p <= 1 or repetition_penalty <= 0:
-            raise ValueError(f"need top_k ≥ 1 or None, top_p in (0, 1] or None, repetition_penalty > 0; "
+        if not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature}")
+        if (top_k is not None and top_k < 1 or top_p is not None and not 0 < top_p <= 1
+                or not 0 < repetition_penalty < math.inf):
+            raise ValueError(f"need top_k ≥ 1 or None, top_p in (0, 1] or None, a finite repetition_penalty > 0; "
                              f"got {top_k}, {top_p}, {repetition_penalty}")
         gen = torch.Generator(device=ids.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()  # seed None: fresh, global RNG untouched
@@ -509,11 +514,12 @@ class FractusCTE(nn.Module):
         save_checkpoint(path, {"config": self.cfg.to_dict(), "model": self.state_dict(), **extra})
 
     @classmethod
-    def load(cls, path) -> "FractusCTE":
-        """The model of a checkpoint, on the CPU (``.to(device)`` moves it)."""
+    def load(cls, path, backend: str | None = None) -> "FractusCTE":
+        """The model of a checkpoint, on the CPU (``.to(device)`` moves it); ``backend`` replaces
+        the kernels' backend it was saved with (a run setting, e.g. 'triton' from a GPU)."""
         from fractus.checkpoint import load_checkpoint, load_model_state
         ckpt = load_checkpoint(path)
-        model = cls(FractusConfig.from_dict(ckpt["config"]))
+        model = cls(FractusConfig.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})}))
         load_model_state(model, ckpt["model"], path)
         return model
 
@@ -536,6 +542,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
         drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
-    if not torch.isfinite(probs).all():  # an infinite or NaN logit (activations that overflowed)
-        raise ValueError("the next-token probabilities are not finite: the model's logits overflowed")
+    if not torch.isfinite(probs).all():  # an infinite or NaN logit
+        raise ValueError("the next-token probabilities are not finite: the logits overflowed (the model's "
+                         "activations, or a temperature or repetition penalty that scales them out of fp32's range)")
     return int(torch.multinomial(probs, 1, generator=gen))

@@ -14,6 +14,7 @@ import torch
 
 from fractus.checkpoint import CheckpointError, check_finite
 from fractus.cli import device_name, natural, non_negative, number, positive_int
+from fractus.kernels.backend import BACKENDS
 from fractus.model import FractusCTE
 from fractus.tokenizer import get_tokenizer
 
@@ -49,9 +50,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repetition-penalty", type=number(float, lambda r: r > 0, "> 0"), default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="kernels (auto: Triton on CUDA, PyTorch on CPU), whatever the checkpoint was trained with")
     a = ap.parse_args(argv)
     try:
-        model = FractusCTE.load(a.ckpt)
+        model = FractusCTE.load(a.ckpt, backend=a.backend)
         check_finite(model.state_dict(), a.ckpt)
         model.to(a.device)
         for prompt in a.prompt or PROMPTS:

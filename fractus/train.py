@@ -34,7 +34,7 @@ from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_stat
 from fractus.cli import device_name, natural, non_negative, number, positive_int
 from fractus.data import TokenStreams, load_meta, load_tokens
 from fractus.grow import grow
-from fractus.kernels.backend import BACKENDS
+from fractus.kernels.backend import BACKENDS, check_available
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.sample import PROMPTS, sample_text
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
@@ -43,7 +43,8 @@ METRIC_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "t
                  "val_ce", "val_bpb", "val_ppl", "elapsed_s")
 # Arguments that must match when resuming: those that shape the run (--tokens may change: it
 # lengthens or shortens the schedule; so may the device, logging, evaluation and checkpoint cadence).
-RESUME_KEYS = ("preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "set", "lr",
+# The model's config is compared as resolved (--set's overrides on the preset), except the backend.
+RESUME_KEYS = ("preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "lr",
                "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "lb_coef", "head_positions",
                "detach_kuramoto", "active_blocks", "bf16")
 DEFAULT_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fractus.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
-    a("--preset", default="palier0", choices=sorted(PRESETS))
+    a("--preset", default="palier0", choices=sorted(PRESETS),
+      help="the model's dimensions (README's table); its vocabulary is the data's")
     a("--data", required=True, help="directory written by `python -m fractus.data prepare`")
     a("--out", required=True, help="run directory: checkpoints, metrics.csv")
     a("--tokens", type=positive_int, default=3_000_000, help="training tokens (all processes together)")
@@ -392,8 +394,12 @@ def train(argv=None) -> dict:
     meta = load_meta(args.data)
     train_tok, val_tok = load_tokens(args.data, "train", meta), load_tokens(args.data, "val", meta)
     streams = TokenStreams(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world)
-    TokenStreams(val_tok, args.batch_size, args.chunk_len)  # a too-short split fails now, not at evaluation
+    val_streams = world * args.batch_size  # rank 0 validates as one process with every process's streams
+    TokenStreams(val_tok, val_streams, args.chunk_len)  # a too-short split fails now, not at evaluation
     cfg = make_config(args, meta["vocab_size"])
+    check_available(cfg.backend, device)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a run directory")
     settings = run_settings(vars(args))
     bf16, lr = settings["bf16"], settings["lr"]
     tokens_per_step = world * args.batch_size * args.chunk_len * args.accum
@@ -418,6 +424,9 @@ def train(argv=None) -> dict:
                                   f"start a new run from it with --grow-from")
         saved, now = run_settings(ck["args"]), settings
         diff = {k: (saved[k], now[k]) for k in RESUME_KEYS if saved[k] != now[k]}
+        now_cfg = cfg.to_dict()
+        saved_cfg = FractusConfig.from_dict({**ck["config"], "backend": cfg.backend}).to_dict()
+        diff.update({f"config {k}": (v, now_cfg[k]) for k, v in saved_cfg.items() if v != now_cfg[k]})
         if ck.get("world", 1) != world:
             diff["processes"] = (ck.get("world", 1), world)
         now_data = data_identity(meta)  # the same path may hold another corpus since
@@ -518,7 +527,7 @@ def train(argv=None) -> dict:
             bar.update(1)
             bar.set_postfix(ce=f"{last['train_ce']:.3f}", tok_s=f"{last['tok_s']:,.0f}")
             if args.eval_every and step % args.eval_every == 0 and step < total_steps and master:
-                last.update(evaluate(model, val_tok, args.batch_size, args.chunk_len, args.eval_tokens,
+                last.update(evaluate(model, val_tok, val_streams, args.chunk_len, args.eval_tokens,
                                      token_bytes, device, bf16))
                 tqdm.write(f"step {step}: val CE {last['val_ce']:.4f} nats/token, "
                            f"{last['val_bpb']:.4f} bits/byte, ppl {last['val_ppl']:.1f}")
@@ -536,7 +545,7 @@ def train(argv=None) -> dict:
             print(f"stopped at step {step} of {total_steps}: checkpoint saved to {ckpt_path}; "
                   f"rerun with --resume")
     elif master:
-        final = evaluate(model, val_tok, args.batch_size, args.chunk_len, None, token_bytes, device, bf16)
+        final = evaluate(model, val_tok, val_streams, args.chunk_len, None, token_bytes, device, bf16)
         last.update(final)
         record_final(metrics_path, step, final)
         unigram = meta["val"]["unigram_entropy_nats"]

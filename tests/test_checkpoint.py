@@ -171,6 +171,43 @@ def test_clis_name_bad_devices_and_non_finite_weights(data, tmp_path, capsys):
     assert not table.exists(), "nothing written"
 
 
+@pytest.mark.parametrize("payload", [{"config": 5, "model": {}}, {"config": {}, "model": [1]},
+                                     {"config": {}, "model": {"embed.weight": 1.0}}, {"config": {1: 2}, "model": {}}])
+def test_clis_exit_2_on_checkpoints_of_another_structure(data, tmp_path, capsys, payload):
+    torch.save(payload, tmp_path / "odd.pt")  # a safe zip archive, but not what Fractus writes
+    for main, args in ((sample_main, ["--tokens", "2"]), (evaluate_main, ["--data", str(data)]),
+                       (train_main, cli(data, tmp_path / "new", "--grow-from", str(tmp_path / "odd.pt")))):
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path / "odd.pt"), *args] if main is not train_main else args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error:") and "Traceback" not in err, err
+
+
+def test_a_triton_trained_checkpoint_samples_and_evaluates_on_the_cpu(data, tmp_path, capsys, monkeypatch):
+    FractusCTE(FractusConfig.preset("tiny", vocab_size=512, backend="triton")).save(tmp_path / "gpu.pt")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU machine without Triton's interpreter
+    sample_main([str(tmp_path / "gpu.pt"), "--prompt", "To be", "--tokens", "2"])
+    evaluate_main([str(tmp_path / "gpu.pt"), "--data", str(data), "--tokens", "64"])
+    assert "CE" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        sample_main([str(tmp_path / "gpu.pt"), "--prompt", "To be", "--tokens", "2", "--backend", "triton"])
+    assert e.value.code == 2 and "needs Triton's interpreter" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        train_main(cli(data, tmp_path / "run", "--backend", "triton"))
+    assert e.value.code == 2 and "needs Triton's interpreter" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "refused before anything is written"
+
+
+def test_growing_a_non_finite_checkpoint_is_refused(data, tmp_path, capsys):
+    model = FractusCTE(FractusConfig.preset("tiny", vocab_size=512))
+    with torch.no_grad():
+        model.embed.weight[0, 0] = float("nan")
+    model.save(tmp_path / "nan.pt")
+    with pytest.raises(SystemExit) as e:
+        train_main(cli(data, tmp_path / "run", "--grow-from", str(tmp_path / "nan.pt")))
+    assert e.value.code == 2 and "nan.pt holds non-finite values (NaN or inf)" in capsys.readouterr().err
+
+
 def test_evaluate_refuses_a_csv_it_cannot_add_to_before_evaluating(data, tmp_path, capsys):
     foreign = tmp_path / "metrics.csv"
     foreign.write_text("step,tokens,lr\n1,128,0.1\n")  # a trainer's

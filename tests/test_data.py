@@ -105,7 +105,20 @@ def test_hidden_directories_are_skipped(tmp_path):
     for i in range(3):
         (d / f"doc{i}.txt").write_text(f"Document number {i}. " * 50)
     meta = prepare(str(d), tmp_path / "out", vocab_size=512)
-    assert sorted(meta["train"]["documents"] + meta["val"]["documents"]) == ["doc0.txt", "doc1.txt", "doc2.txt"]
+    assert meta["train"]["documents"] == ["doc0.txt", "doc1.txt", "doc2.txt:train"]
+    assert meta["val"]["documents"] == ["doc2.txt:val"]
+
+
+@pytest.mark.parametrize("sizes,val_docs", [((100, 900), ["b:val"]), ((900, 100), ["b"]),
+                                            ((850, 60, 90), ["b:val", "c"]), ((1000,), ["a:val"])])
+def test_validation_is_the_last_fraction_of_the_text(sizes, val_docs):
+    """Whole documents from the end, the one the boundary falls in cut at a line break: never a
+    validation split larger than asked because the last document is long."""
+    docs = [(name, "word\n" * n) for name, n in zip("abc", sizes)]
+    train, val = split_documents(docs, val_fraction=0.1)
+    assert [n for n, _ in val] == val_docs
+    assert "".join(t for _, t in train + val) == "".join(t for _, t in docs)
+    assert sum(len(t) for _, t in val) == pytest.approx(0.1 * 5 * sum(sizes), abs=5)
 
 
 @pytest.mark.parametrize("damage,msg", [("json", "Expecting"), ("no val", "val.tokens is missing, not int"),

@@ -51,6 +51,8 @@ def test_ddp_step_equals_single_process_step(tmp_path, extra):
     assert a["step"] == b["step"] == 1
     ce = [float(metrics_rows(tmp_path / out)[0]["train_ce"]) for out in ("ddp", "one")]
     assert ce[0] == pytest.approx(ce[1], rel=1e-6), "the logged CE is every process's mean"
+    val = [float(metrics_rows(tmp_path / out)[-1]["val_ce"]) for out in ("ddp", "one")]
+    assert val[0] == pytest.approx(val[1], rel=1e-5), "rank 0 validates on the single process's 4 streams"
     torch.manual_seed(1337)  # the trainer's initialisation
     init = FractusCTE(FractusConfig.from_dict(a["config"])).state_dict()
     for k, v in b["model"].items():  # per tensor: fp32 sums in another order (level_logits ≈ 2e-5)

@@ -93,10 +93,11 @@ def test_model_gradients_match_reference_clock(path):
     assert any("clock.U" in n for n in grads[1]) and any("clock.encoder" in n for n in grads[1])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
 def test_bad_shapes_and_dtypes_are_refused(backend):
-    """Shapes that the Triton kernels would read out of bounds, or dtypes the paths would treat
-    differently, are a ValueError naming the argument on both fast paths."""
+    """Shapes that the Triton kernels would read out of bounds, dtypes the paths would treat
+    differently, and integration settings without meaning are a ValueError naming the argument
+    on every path."""
     theta, omega, U, lam = (t.detach() for t in make_inputs(5, 8, 2, torch.float32))
     cases = [((theta[0], omega, U, lam), "theta0 must be a floating \\[M, N\\]"),
              ((theta.long(), omega, U, lam), "theta0 must be a floating"),
@@ -111,3 +112,7 @@ def test_bad_shapes_and_dtypes_are_refused(backend):
     for args, msg in cases:
         with pytest.raises(ValueError, match=msg):
             kuramoto_phase(*args, 0.1, 2, 0.05, backend=backend)
+    for dt, steps, damping in ((0.1, 0, 0.05), (0.1, -1, 0.05), (0.1, 2.0, 0.05), (float("nan"), 2, 0.05),
+                               (0.0, 2, 0.05), (float("inf"), 2, 0.05), (0.1, 2, -0.1), (0.1, 2, float("nan"))):
+        with pytest.raises(ValueError, match="steps ≥ 1, a finite dt > 0 and a finite damping ≥ 0"):
+            kuramoto_phase(theta, omega, U, lam, dt, steps, damping, backend=backend)

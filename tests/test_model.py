@@ -204,8 +204,19 @@ def test_forward_and_generate_refuse_bad_shapes():
             model.generate(prompt, 2)
     with pytest.raises(ValueError, match="max_new_tokens must be ≥ 0"):
         model.generate([1, 2, 3], -1)
-    with pytest.raises(ValueError, match="temperature must be ≥ 0"):
-        model.generate([1, 2, 3], 2, temperature=-1)
+    for t in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature must be finite and ≥ 0"):
+            model.generate([1, 2, 3], 2, temperature=t)
+    for pen in (0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="a finite repetition_penalty > 0"):
+            model.generate([1, 2, 3], 2, repetition_penalty=pen)
+    for vec in (torch.zeros(2, 5, 32), torch.zeros(32), torch.zeros(2, 16), torch.zeros(2, 32, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"tick_vec expects a floating \[B, 32\] tensor"):
+            model.tick_vec(vec, None)
+    assert model.tick_vec(torch.zeros(2, 32, dtype=torch.float64), None)[0].shape == (2, 512)
+    state = model(torch.ones(1, 3, dtype=torch.long))[2]
+    with pytest.raises(ValueError, match="state holds 1 blocks' \\(S, z\\), the model has 2 blocks"):
+        model(torch.ones(1, 3, dtype=torch.long), state[:1])
     assert model.generate(torch.tensor([1, 2, 3]), 2, temperature=0) == model.generate([1, 2, 3], 2, temperature=0)
 
 

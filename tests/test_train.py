@@ -356,6 +356,11 @@ def test_bad_arguments(data, tmp_path, capsys):
             main(cli(data, tmp_path / "run", *extra))
         assert e.value.code == 2 and msg in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(SystemExit) as e:
+        main(cli(data, tmp_path / "file"))
+    assert e.value.code == 2 and "file is a file: give a run directory" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "keep"
 
 
 def test_repeated_set_flags_add_up():
@@ -432,7 +437,7 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     out = tmp_path / "run"
     train(cli(data, out, "--eval-every", "0", tokens=5 * 32))
     cases = [(["--resume", "--batch-size", "3"], "--resume with different settings"),
-             (["--resume", "--set", "n_layers=3"], "--resume with different settings"),
+             (["--resume", "--set", "n_layers=3"], "'config n_layers': (2, 3)"),
              (["--resume", "--lr", "1e-4"], "'lr': (0.002, 0.0001)"),  # the restored optimizer would ignore it
              (["--resume", "--weight-decay", "0.5"], "'weight_decay': (0.01, 0.5)"),
              ([], "exists: pass --resume")]
@@ -459,11 +464,15 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     train([*cli(data, out, "--eval-every", "0", "--resume", "--lr", "0.002", "--no-bf16", tokens=6 * 32),
            "--data", relative])
     assert load_checkpoint(out / "ckpt.pt")["step"] == 6
+    # the config as resolved: the preset's own values through --set, in any order, and another backend
+    train(cli(data, out, "--eval-every", "0", "--resume", "--set", "n_layers=2", "d_model=32", "--backend", "torch",
+              tokens=7 * 32))
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 7
 
 
 CHANGED = {"preset": ["--preset", "palier0"], "data": None, "batch_size": ["--batch-size", "3"],
            "chunk_len": ["--chunk-len", "8"], "accum": ["--accum", "2"], "optimizer": ["--optimizer", "sgd"],
-           "seed": ["--seed", "3"], "set": ["--set", "n_layers=3"], "lr": ["--lr", "1e-4"],
+           "seed": ["--seed", "3"], "lr": ["--lr", "1e-4"],
            "weight_decay": ["--weight-decay", "0.5"], "warmup": ["--warmup", "7"],
            "min_lr_ratio": ["--min-lr-ratio", "0.5"], "grad_clip": ["--grad-clip", "0.5"],
            "lb_coef": ["--lb-coef", "0.1"], "head_positions": ["--head-positions", "last"],

@@ -208,6 +208,17 @@ def cuda_context_lost(device: torch.device | str) -> bool:
         return True
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """How the CSVs name a dtype: 'float32', 'bfloat16', …"""
+    return str(dtype).removeprefix("torch.")
+
+
+def low_precision(device: torch.device | str) -> torch.dtype:
+    """The low-precision dtype the correctness checks use on ``device``: bf16 on CUDA (the
+    training dtype), fp16 elsewhere (Triton's interpreter computes bf16 wrongly)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value); the tests' measure too."""
     x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
@@ -229,14 +240,14 @@ def check_rows(kernel: str, dtype: torch.dtype, names, got, truth, same=None, ma
         else:
             tol = rel_err(s, t) + (margins or {}).get(name, margin)
             check = f"{name} vs {truth_name} (<= same-dtype torch path err + margin)"
-        rows.append(dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""), check=check, rel_err=e,
+        rows.append(dict(kernel=kernel, dtype=dtype_name(dtype), check=check, rel_err=e,
                          tol=tol, passed=e <= tol))
     return rows
 
 
 def error_row(kernel: str, dtype: torch.dtype, exc: Exception) -> dict:
     """A failed row of the correctness table: the exception recorded, not raised."""
-    return dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""),
+    return dict(kernel=kernel, dtype=dtype_name(dtype),
                 check=f"error: {type(exc).__name__}: {exc}"[:300], rel_err=float("nan"), tol=float("nan"),
                 passed=False)
 

@@ -114,7 +114,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
     else:
         device, dtype, case = "cuda", torch.bfloat16, GPU_CASE
     h, w, t = make_case(**case, dtype=dtype, device=device)
-    meta = dict(bench="cross_entropy", mode="fwd+bwd", dtype=str(dtype).replace("torch.", ""),
+    meta = dict(bench="cross_entropy", mode="fwd+bwd", dtype=common.dtype_name(dtype),
                 tokens=case["N"], d=case["d"], V=case["V"])
     truth = _fwd_bwd(naive, h.detach().float().requires_grad_(), w.detach().float().requires_grad_(), t)
     rows = []
@@ -187,7 +187,7 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     Failures (including exceptions) are recorded, never raised.
     """
     device = torch.device(device)
-    lowp = torch.bfloat16 if device.type == "cuda" else torch.float16
+    lowp = common.low_precision(device)
     case = TINY if smoke else dict(N=1000, d=512, V=50257)
     N = case["N"]
     options = {

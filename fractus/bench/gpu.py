@@ -39,7 +39,7 @@ import pandas as pd
 import torch
 
 from fractus.atomic import atomic_open
-from fractus.bench import aot, levers, profile
+from fractus.bench import aot, common, levers, profile
 from fractus.bench.common import check_rows, cuda_context_lost, cuda_name, median_time, provenance, sync, write_csv
 from fractus.bench.costmodel import H200_DATASHEET, H200_NVL_BF16_TFLOPS, flops_per_token
 from fractus.bench.train import measure_training
@@ -69,7 +69,7 @@ def ceilings(device: torch.device, dry_run: bool) -> dict:
     b = torch.randn(n, n, device=device, dtype=dtype)
     t_mm = median_time(lambda: a @ b, device=device)
     return {"copy_gbs": 2 * n_copy / t_copy / 1e9, "matmul_tflops": 2 * n ** 3 / t_mm / 1e12,
-            "matmul_n": n, "matmul_dtype": str(dtype).replace("torch.", ""), "copy_bytes": n_copy}
+            "matmul_n": n, "matmul_dtype": common.dtype_name(dtype), "copy_bytes": n_copy}
 
 
 def model_runs() -> list[tuple[str, dict]]:

@@ -218,7 +218,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
         device, dtype, H, Lv, D, B, Ts = "cpu", torch.float32, 2, 2, 32, 1, (40,)
     else:
         device, dtype, H, Lv, D, B, Ts = "cuda", torch.bfloat16, 20, 2, 64, 8, GPU_TS
-    dname = str(dtype).replace("torch.", "")
+    dname = common.dtype_name(dtype)
     oms = level_omegas(Lv)
     timer = (lambda f: common.median_time(f, warmup=1, reps=2, device=device)) if smoke else \
         (lambda f: common.median_time(f, device=device))
@@ -338,7 +338,7 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     interpreter has no correct bf16): rel_err ≤ that of the PyTorch path in the same dtype +
     margin (dw, a sum of B·T·H·D mostly cancelling terms, gets 3× the margin). Recorded, never raised."""
     device = torch.device(device)
-    lowp = torch.bfloat16 if device.type == "cuda" else torch.float16
+    lowp = common.low_precision(device)
     if smoke:
         cases = [("chunked", dict(B=2, T=40, H=2, D=48), True), ("decode", dict(B=2, T=1, H=2, D=32), False)]
     else:

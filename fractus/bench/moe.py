@@ -167,7 +167,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
                     def thunk():
                         _fwd_bwd(fn, x, idx, w, ex)
                 row = dict(bench="moe", kind="lowrank" if lowrank else "dense", impl=impl, mode=mode,
-                           dtype=str(dtype).replace("torch.", ""), tokens=N, **dims)
+                           dtype=common.dtype_name(dtype), tokens=N, **dims)
                 try:
                     t = common.median_time(thunk, warmup=1, reps=2, device=device) if smoke else \
                         common.median_time(thunk, device=device)
@@ -207,7 +207,7 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     Failures (including exceptions) are recorded, never raised.
     """
     device = torch.device(device)
-    lowp = torch.bfloat16 if device.type == "cuda" else torch.float16
+    lowp = common.low_precision(device)
     dims = TINY if smoke else dict(d=320, E=16, F=400, r=64, K=2)
     N = 13 if smoke else 257
     rows = []

@@ -21,17 +21,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def pick(backend: str, x: torch.Tensor) -> str:
-    """Resolve ``backend`` for an op whose main input is ``x``; returns 'triton', 'torch' or 'reference'."""
+def check_available(backend: str, device: torch.device | str) -> None:
+    """ValueError unless ``backend`` can run on ``device``: 'triton' off CUDA needs Triton's interpreter."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and torch.device(device).type != "cuda" and not interpreting():
+        raise ValueError("backend 'triton' on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                         "before triton is imported (tests/conftest.py does), or use 'auto' or 'torch'")
+
+
+def pick(backend: str, x: torch.Tensor) -> str:
+    """Resolve ``backend`` for an op whose main input is ``x``; returns 'triton', 'torch' or 'reference'."""
+    check_available(backend, x.device)
     if backend == "auto":
         return "triton" if x.is_cuda else "torch"
-    if backend == "triton" and not x.is_cuda and not interpreting():
-        raise RuntimeError(
-            "backend='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before triton is imported (tests/conftest.py does), or use backend='torch'"
-        )
     return backend
 
 

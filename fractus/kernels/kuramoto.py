@@ -290,9 +290,13 @@ class _KuramotoTritonFn(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- public
-def _check(theta0, omega, U, lam, path: str) -> None:
-    """θ⁰ [M, N] fp32 (or fp64 on the PyTorch path: phases are too fine for half precision); ω [N];
-    U [N, r]; λ [r], all in θ⁰'s dtype (shapes only: no device sync)."""
+def _check(theta0, omega, U, lam, dt, steps, damping, path: str) -> None:
+    """θ⁰ [M, N] fp32 (or fp64 on the PyTorch paths: phases are too fine for half precision); ω [N];
+    U [N, r]; λ [r], all in θ⁰'s dtype (shapes only: no device sync); dt > 0, steps ≥ 1 and
+    damping ≥ 0, finite."""
+    if not (isinstance(steps, int) and steps >= 1 and 0 < dt < math.inf and 0 <= damping < math.inf):
+        raise ValueError(f"need an integer steps ≥ 1, a finite dt > 0 and a finite damping ≥ 0; "
+                         f"got steps={steps!r}, dt={dt!r}, damping={damping!r}")
     if theta0.dim() != 2 or not theta0.is_floating_point():
         raise ValueError(f"theta0 must be a floating [M, N] tensor, got {tuple(theta0.shape)} {theta0.dtype}")
     if theta0.dtype not in (torch.float32, torch.float64):
@@ -314,9 +318,9 @@ def kuramoto_phase(theta0, omega, U, lam, dt: float, steps: int, damping: float,
     kernels on CUDA, the fused PyTorch path on CPU; ``"torch"``: the fused PyTorch path;
     ``"reference"``: plain autograd; ``"triton"`` on CPU: the interpreter."""
     path = _backend.pick(backend, theta0)
+    _check(theta0, omega, U, lam, dt, steps, damping, path)
     if path == "reference":
         return kuramoto_phase_reference(theta0, omega, U, lam, dt, steps, damping)
-    _check(theta0, omega, U, lam, path)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (theta0, omega, U, lam))
     if path == "triton":
         if grad:
