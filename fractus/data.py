@@ -83,7 +83,8 @@ def split_documents(docs, val_names=None, val_fraction: float = 0.1):
     """(train, val) lists of (name, text). With ``val_names``: those documents are validation.
     Otherwise validation is the last ``val_fraction`` of the text (in characters, documents in
     order): whole documents from the end, and the one the boundary falls in is cut at the line
-    break before it (named ``<name>:train`` and ``<name>:val``)."""
+    break before it, or at the boundary itself when no text precedes that break (the pieces are
+    named ``<name>:train`` and ``<name>:val``)."""
     docs = [(n, t) for n, t in docs if t.strip()]
     if not docs:
         raise ValueError("the corpus is empty: no non-blank text found")
@@ -91,16 +92,18 @@ def split_documents(docs, val_names=None, val_fraction: float = 0.1):
         val = [d for d in docs if d[0] in val_names]
         train = [d for d in docs if d[0] not in val_names]
     else:
-        need = val_fraction * sum(len(t) for _, t in docs)
+        need = round(val_fraction * sum(len(t) for _, t in docs))  # characters
         k = len(docs)
         while k > 0 and len(docs[k - 1][1]) <= need:
             k -= 1
             need -= len(docs[k][1])
         train, val = docs[:k], docs[k:]
-        if k > 0 and need >= 1:  # cut the boundary document
+        if k > 0 and need > 0:  # cut the boundary document
             name, text = train.pop()
-            at = len(text) - int(need)
-            cut = text.rfind("\n", 0, at) + 1 or at
+            at = len(text) - need
+            cut = text.rfind("\n", 0, at) + 1
+            if not text[:cut].strip():  # no line break with text before it: cut mid-line
+                cut = at
             train += [(name + ":train", text[:cut])] if text[:cut].strip() else []
             val.insert(0, (name + ":val", text[cut:]))
     if not train or not val or not any(t.strip() for _, t in val):

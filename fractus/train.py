@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     a("--backend", default="auto", choices=BACKENDS)
     a("--eval-every", type=natural, default=200, help="optimizer steps between validations (0 = end only)")
-    a("--eval-tokens", type=positive_int, default=65_536, help="validation tokens per periodic evaluation")
+    a("--eval-tokens", type=positive_int, default=65_536,
+      help="validation tokens per periodic evaluation (whole chunks of every stream, at least one)")
     a("--ckpt-every", type=natural, default=200, help="optimizer steps between checkpoints (0 = end only)")
     a("--max-nan", type=positive_int, default=3,
       help="stop after this many consecutive non-finite steps (loss or gradient)")
@@ -395,7 +396,10 @@ def train(argv=None) -> dict:
     train_tok, val_tok = load_tokens(args.data, "train", meta), load_tokens(args.data, "val", meta)
     streams = TokenStreams(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world)
     val_streams = world * args.batch_size  # rank 0 validates as one process with every process's streams
-    TokenStreams(val_tok, val_streams, args.chunk_len)  # a too-short split fails now, not at evaluation
+    try:  # a too-short split fails now, not at evaluation
+        TokenStreams(val_tok, val_streams, args.chunk_len)
+    except ValueError as e:
+        raise ValueError(f"the validation split ({world} process(es) × {args.batch_size} streams): {e}") from None
     cfg = make_config(args, meta["vocab_size"])
     check_available(cfg.backend, device)
     if out.exists() and not out.is_dir():

@@ -107,6 +107,10 @@ def test_an_interrupted_atomic_write_keeps_the_old_file(tmp_path):
     with atomic_open(path) as f:
         f.write("new")
     assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["f.csv"]
+    with pytest.raises(ValueError, match="mode 'w' or 'wb'"), atomic_open(path, "a"):
+        pass
+    with pytest.raises(FileNotFoundError, match="no folder"), atomic_open(tmp_path / "none" / "f.csv"):
+        pass
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])

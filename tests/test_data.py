@@ -121,6 +121,13 @@ def test_validation_is_the_last_fraction_of_the_text(sizes, val_docs):
     assert sum(len(t) for _, t in val) == pytest.approx(0.1 * 5 * sum(sizes), abs=5)
 
 
+
+def test_a_boundary_without_a_line_break_before_it_is_cut_mid_line():
+    text = "\n" + "word " * 2000  # a blank line, then one long line: no text before its line break
+    train, val = split_documents([("a", text)], val_fraction=0.1)
+    assert [n for n, _ in train] == ["a:train"] and len(val[0][1]) == 1000
+
+
 @pytest.mark.parametrize("damage,msg", [("json", "Expecting"), ("no val", "val.tokens is missing, not int"),
                                         ("str vocab", "vocab_size is '512', not int"),
                                         ("list", "vocab_size is missing")])

@@ -1,5 +1,6 @@
 """Kuramoto clock: the fused autograd Function (hand-written RK4 backward) and the Triton kernels
 (interpreter) vs plain autograd."""
+import numpy as np
 import pytest
 import torch
 
@@ -116,3 +117,8 @@ def test_bad_shapes_and_dtypes_are_refused(backend):
                                (0.0, 2, 0.05), (float("inf"), 2, 0.05), (0.1, 2, -0.1), (0.1, 2, float("nan"))):
         with pytest.raises(ValueError, match="steps ≥ 1, a finite dt > 0 and a finite damping ≥ 0"):
             kuramoto_phase(theta, omega, U, lam, dt, steps, damping, backend=backend)
+    for steps in (True, 2.5):
+        with pytest.raises(ValueError, match="an integer steps ≥ 1"):
+            kuramoto_phase(theta, omega, U, lam, 0.1, steps, 0.05, backend=backend)
+    assert_rel(kuramoto_phase(theta, omega, U, lam, 0.1, np.int64(2), 0.05, backend=backend),
+               kuramoto_phase(theta, omega, U, lam, 0.1, 2, 0.05, backend=backend), 1e-7, "numpy steps")

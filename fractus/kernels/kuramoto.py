@@ -19,6 +19,7 @@ through :func:`fractus.kernels.backend.pick`: Triton on CUDA, the fused PyTorch 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import triton
@@ -294,7 +295,8 @@ def _check(theta0, omega, U, lam, dt, steps, damping, path: str) -> None:
     """θ⁰ [M, N] fp32 (or fp64 on the PyTorch paths: phases are too fine for half precision); ω [N];
     U [N, r]; λ [r], all in θ⁰'s dtype (shapes only: no device sync); dt > 0, steps ≥ 1 and
     damping ≥ 0, finite."""
-    if not (isinstance(steps, int) and steps >= 1 and 0 < dt < math.inf and 0 <= damping < math.inf):
+    integral = isinstance(steps, numbers.Integral) and not isinstance(steps, bool)
+    if not (integral and steps >= 1 and 0 < dt < math.inf and 0 <= damping < math.inf):
         raise ValueError(f"need an integer steps ≥ 1, a finite dt > 0 and a finite damping ≥ 0; "
                          f"got steps={steps!r}, dt={dt!r}, damping={damping!r}")
     if theta0.dim() != 2 or not theta0.is_floating_point():
@@ -319,6 +321,7 @@ def kuramoto_phase(theta0, omega, U, lam, dt: float, steps: int, damping: float,
     ``"reference"``: plain autograd; ``"triton"`` on CPU: the interpreter."""
     path = _backend.pick(backend, theta0)
     _check(theta0, omega, U, lam, dt, steps, damping, path)
+    steps = int(steps)
     if path == "reference":
         return kuramoto_phase_reference(theta0, omega, U, lam, dt, steps, damping)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (theta0, omega, U, lam))
