@@ -115,6 +115,22 @@ def median_time(fn: Callable[[], object], warmup: int = 2, reps: int = 5,
     return statistics.median(times)
 
 
+def interleaved_times(fns: list[Callable[[], object]], rounds: int, warmup: int = 1) -> list[list[float]]:
+    """Wall times in seconds of each of ``fns`` over ``rounds`` rounds, every fn once per round in
+    turn (after ``warmup`` calls each), so that a drift of the shared machine's speed reaches all of
+    them alike: ``out[i]`` is ``fns[i]``'s times."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return times
+
+
 def _high_water_rss() -> int:
     """This process's peak resident set (VmHWM) in bytes; unlike ru_maxrss it starts afresh
     in a spawned child instead of inheriting the parent's peak."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -162,9 +161,9 @@ def _cpu_timings(smoke, b, peaks):
     # drifts; interleaving exposes both sizes to the same drift)
     b4 = dict(b, T=4 * b["T"])
     q4, k4, v4, w4, _, _ = make_inputs(**b4, levels=1)
-    tc, t4 = _interleaved_medians([lambda: _fwd_bwd("torch", q, k, v, w, oms),
-                                   lambda: _fwd_bwd("torch", q4, k4, v4, w4, oms)],
-                                  reps=3 if smoke else 7)
+    tc, t4 = (statistics.median(ts) for ts in common.interleaved_times(
+        [lambda: _fwd_bwd("torch", q, k, v, w, oms), lambda: _fwd_bwd("torch", q4, k4, v4, w4, oms)],
+        rounds=3 if smoke else 7))
     times = {"torch": tc, "materialising": tm_}
     pc, pm = peaks["torch"], peaks["materialising"]
     for impl in ("torch", "materialising"):
@@ -179,19 +178,6 @@ def _cpu_timings(smoke, b, peaks):
                      time_s=t4, baseline=f"torch at T={b['T']}", time_ratio_vs_baseline=t4 / tc,
                      target="time(4T)/time(T) <= 4.5", target_met=t4 / tc <= 4.5))
     return rows
-
-
-def _interleaved_medians(fns, reps):
-    """Median wall time of each fn, the fns called in turn rep after rep (after one warm-up each)."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
 
 
 # ----------------------------------------------------------------------------- GPU

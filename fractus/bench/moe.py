@@ -121,11 +121,9 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
     peaks = [common.cpu_peak_bytes("fractus.bench.moe:peak_case", impl=impl, N=N, chunk=ch, **dims)
              for impl, ch in impls]
     x, idx, w, ex = make_case(N, **dims)
-    times = {impl: [] for impl, _ in impls}
-    for r_ in range(rounds):
-        for impl, ch in impls:
-            times[impl].append(common.median_time(lambda: _fwd_bwd(_impl(impl), x, idx, w, ex, ch),
-                                                  warmup=int(r_ == 0), reps=1))
+    runs = common.interleaved_times([lambda impl=impl, ch=ch: _fwd_bwd(_impl(impl), x, idx, w, ex, ch)
+                                     for impl, ch in impls], rounds)
+    times = {impl: ts for (impl, _), ts in zip(impls, runs)}
     best = {impl: min(ts) for impl, ts in times.items()}
     rows = []
     for (impl, ch), peak in zip(impls, peaks):
