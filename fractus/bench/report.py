@@ -58,8 +58,10 @@ def aot_summary(path: str | Path = REPO / "results" / "aot_sm90.csv"):
 
 
 def footnote(device: torch.device | str = "cpu") -> str:
+    """A figure's provenance line: when and where it was made (a figure may hold predictions, not
+    measurements: its title and note say which)."""
     p = provenance(device)
-    return (f"{'SMOKE sizes — ' if SMOKE else ''}measured {p['date']} on {p['device']}; "
+    return (f"{'SMOKE sizes — ' if SMOKE else ''}made {p['date']} on {p['device']}; "
             f"torch {p['torch']}, git {p['git_sha']}")
 
 
