@@ -22,7 +22,7 @@ def test_param_count_matches_the_model(preset, over):
     cfg = FractusConfig.preset(preset, **over)
     model = FractusCTE(cfg)
     assert cm.num_params(cfg) == model.num_params()
-    assert cm.chinchilla_tokens(cfg, 1.0, active=True) == model.num_params(active=True)
+    assert cm.active_params(cfg) == model.num_params(active=True) == cm.chinchilla_tokens(cfg, 1.0, active=True)
     assert cm.chinchilla_tokens(cfg) == 20 * model.num_params()
 
 

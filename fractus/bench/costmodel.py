@@ -229,11 +229,14 @@ def time_to_train(tokens: float, tok_s: float) -> float:
     return tokens / tok_s
 
 
+def active_params(cfg: FractusConfig) -> int:
+    """Parameters one token uses: all but the n_experts − top_k experts it skips in each block
+    (:meth:`fractus.model.FractusCTE.num_params` with ``active=True``, without building the model)."""
+    d, Fd, r = cfg.d_model, cfg.expert_d_ff, cfg.expert_rank
+    expert = ((2 * d * r + 2 * Fd * r + 2) if r > 0 else 2 * d * Fd) + Fd + d
+    return num_params(cfg) - cfg.n_layers * (cfg.n_experts - cfg.top_k) * expert
+
+
 def chinchilla_tokens(cfg: FractusConfig, per_param: float = 20.0, active: bool = False) -> float:
     """``per_param`` tokens per parameter (all parameters, or those one token uses)."""
-    n = num_params(cfg)
-    if active:
-        d, Fd, r = cfg.d_model, cfg.expert_d_ff, cfg.expert_rank
-        expert = ((2 * d * r + 2 * Fd * r + 2) if r > 0 else 2 * d * Fd) + Fd + d
-        n -= cfg.n_layers * (cfg.n_experts - cfg.top_k) * expert
-    return per_param * n
+    return per_param * (active_params(cfg) if active else num_params(cfg))
