@@ -16,6 +16,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------ cost model
+def test_lever_verdicts():
+    assert L.verdict(0.95, 1.37) == "no gain measured (a gain was claimed)"
+    assert L.verdict(3.6, 4.0) == L.verdict(4.9, 4.0) == L.AS_CLAIMED
+    assert L.verdict(2.0, 4.0) == "smaller than claimed" and L.verdict(6.0, 4.0) == "larger than claimed"
+
+
 @pytest.mark.parametrize("preset", ["tiny", "palier0"])
 @pytest.mark.parametrize("over", [{}, {"tie_head": False}, {"expert_rank": 0}, {"router": "linear"}])
 def test_param_count_matches_the_model(preset, over):

@@ -191,6 +191,18 @@ def rounds_rows(tok_s: dict[Recipe, list[float]], names: dict[Recipe, str]) -> l
     return [{"recipe": names[r], "round": i, "tok_s": t} for r, ts in tok_s.items() for i, t in enumerate(ts)]
 
 
+AS_CLAIMED = "as claimed (within 1.25x either way)"
+
+
+def verdict(measured: float, claimed: float) -> str:
+    """A measured speedup against the original's claimed one: no gain (≤ 1x where a gain was
+    claimed), as claimed (within 1.25x either way), or smaller / larger than claimed."""
+    ratio = measured / claimed
+    return ("no gain measured (a gain was claimed)" if measured <= 1 < claimed else
+            AS_CLAIMED if 0.8 <= ratio <= 1.25 else
+            "smaller than claimed" if ratio < 0.8 else "larger than claimed")
+
+
 def speedup(tok_s: dict[Recipe, list[float]], new: Recipe, old: Recipe) -> dict:
     """``new``'s tok/s over ``old``'s, round by round: the median ratio and the lowest and
     highest (the spread a single measurement would hide)."""
