@@ -238,6 +238,25 @@ def test_a_failing_training_configuration_does_not_lose_the_sweep(monkeypatch):
     assert rows[0]["error"].startswith("RuntimeError: Triton Error") and rows[1]["tok_s"] > 0
 
 
+def test_the_training_sweep_measures_each_presets_own_model(monkeypatch):
+    """train_rows builds its models from train_recipe, which the cost model's launch counts
+    (notebook 04) also take: both must be the preset's model at the sweep's chunk length."""
+    from fractus.bench import gpu
+    from fractus.model import FractusConfig
+    seen, sweep = [], gpu.TRAIN_SWEEP
+    monkeypatch.setattr(gpu, "measure_training", lambda preset, **kw: seen.append((preset, kw)) or {"tok_s": 1.0})
+    monkeypatch.setattr(gpu, "TRAIN_SWEEP", sweep[:1])
+    list(gpu.train_rows(torch.device("cpu"), dry_run=False, peak_tflops=1.0))
+    (preset, batches, chunk), = sweep[:1]
+    assert [kw["batch_size"] for _, kw in seen] == list(batches)
+    for p, kw in seen:
+        over = {k: v for k, v in kw.items() if k in FractusConfig.__dataclass_fields__}
+        assert FractusConfig.preset(p, **over) == FractusConfig.preset(preset, chunk_len=chunk)
+        assert (kw["head_positions"], kw["accum"], kw["optimizer"]) == ("all", 1, "sgd")
+    for preset, batches, chunk in sweep + gpu.DRY_SWEEP:
+        assert gpu.train_recipe(preset, chunk).config() == FractusConfig.preset(preset, chunk_len=chunk)
+
+
 def test_nvidia_driver_version_from_nvidia_smi(tmp_path, monkeypatch):
     from fractus.bench.gpu import nvidia_driver
     monkeypatch.setenv("PATH", str(tmp_path))

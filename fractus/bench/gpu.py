@@ -54,6 +54,15 @@ TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in b
 TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
                ("palier2", (8, 64, 128), 128), ("palier3", (8, 32, 64), 128), ("1b", (8, 32, 64, 128), 128)]
 DRY_SWEEP = [("tiny", (1, 2), 16)]
+
+
+def train_recipe(preset: str, chunk_len: int, batch_size: int = 8) -> levers.Recipe:
+    """The training sweep's configuration (:func:`train_rows`: the preset's own model, every
+    position supervised, SGD, no accumulation) as a :class:`levers.Recipe`, for the cost model's
+    launch counts."""
+    return levers.Recipe(preset=preset, vocab_size=FractusConfig.preset(preset).vocab_size, tie_head=True,
+                         sparse_moe=True, fused_ce=True, chunk_len=chunk_len, optimizer="sgd",
+                         batch_size=batch_size)
 GEN_PROMPT = list(range(1, 17))  # generation's prompt (16 tokens)
 
 
@@ -105,11 +114,12 @@ def precompile_rows(dry_run: bool) -> list[dict]:
 def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> Iterator[dict]:
     """A row per configuration of the sweep as it is measured; a failing one is an error row."""
     for preset, batches, chunk in (DRY_SWEEP if dry_run else TRAIN_SWEEP):
-        cfg = FractusConfig.preset(preset, chunk_len=chunk)  # the attention's FLOPs depend on the chunk
-        flops = sum(flops_per_token(cfg, training=True).values())
+        flops = sum(flops_per_token(train_recipe(preset, chunk).config(), training=True).values())
         for b in batches:
-            kw = dict(batch_size=b, chunk_len=chunk, accum=1, optimizer="sgd", steps=3, warmup=2,
-                      device=str(device), bf16=not dry_run)
+            rec = train_recipe(preset, chunk, b)
+            kw = dict(batch_size=b, chunk_len=chunk, accum=rec.accum, optimizer=rec.optimizer,
+                      head_positions=rec.head_positions, steps=3, warmup=2, device=str(device),
+                      bf16=not dry_run, **rec.model_overrides())
             if dry_run:
                 kw.update(backend="triton", steps=1, warmup=0)
             failed = {"preset": preset, "batch_size": b, "chunk_len": chunk, "tok_s": None, "mfu": None}
