@@ -22,6 +22,12 @@ def test_lever_verdicts():
     assert L.verdict(2.0, 4.0) == "smaller than claimed" and L.verdict(6.0, 4.0) == "larger than claimed"
 
 
+def test_quality_effects():
+    assert L.quality_effect(0.03) == L.LEARNS_LESS
+    assert L.quality_effect(0.004) == L.quality_effect(-0.004) == L.NO_EFFECT
+    assert L.quality_effect(0.01) == L.quality_effect(-0.03) == "small effect"
+
+
 @pytest.mark.parametrize("preset", ["tiny", "palier0"])
 @pytest.mark.parametrize("over", [{}, {"tie_head": False}, {"expert_rank": 0}, {"router": "linear"}])
 def test_param_count_matches_the_model(preset, over):
