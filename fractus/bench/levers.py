@@ -125,6 +125,8 @@ LEVERS = [
 # + B=8: ~4x (1345 tok/s), ~336x in all. Its own tok/s make the B=8 step 1345 / 707 = 1.9x, not ~4x.
 ORIGINAL_COMBINED = {"baseline_tok_s": 4.0, "through_sgd": 177.0, "through_sgd_tok_s": 707.0,
                      "with_batch_8": 336.0, "with_batch_8_tok_s": 1345.0}
+# The original's bf16 autocast lever (GPU only, section 9): its claim, on a part of the step.
+BF16_CLAIM = "~2x on all matmuls, halves memory"
 # The original's batch table (section 8): tok/s per batch size, "d=128, 2 blocks"; the rest of its
 # setting is not stated, and its B=1 figure is not the 707 tok/s of its combined table.
 ORIGINAL_BATCH_TOK_S = {1: 335, 2: 598, 4: 894, 8: 1345}
