@@ -149,7 +149,7 @@ def test_precompile_covers_what_the_suite_stages_launch():
     code = """
 import torch
 from fractus.bench import aot, levers, profile, train
-from fractus.bench.gpu import GEN_PROMPT, model_runs
+from fractus.bench.gpu import GEN_PROMPT, model_runs, train_recipe
 from fractus.model import FractusConfig, FractusCTE
 steps = train.micro_steps
 train.micro_steps = lambda *a, **k: (*steps(*a, **k)[:3], True)  # captured kernels leave garbage
@@ -175,8 +175,8 @@ def bwd64():  # the attention's timing at another of its lengths than the precom
 pre = keys(aot.launches(presets=model_runs(), extras=("bwd64",)))
 plan = levers.gpu_plan(cuda=True)
 kw = dict(min_tokens=0, min_steps=1, warmup=1, device="cpu", backend="triton")
-needed = {**stage(lambda: train.measure_training("palier0", batch_size=64, chunk_len=128, accum=1, steps=1,
-                                                   warmup=1, device="cpu", bf16=True, backend="triton")),
+needed = {**stage(lambda: train.measure_training("palier0", **train_recipe("palier0", 128, 64).trainer_kwargs(),
+                                                   steps=1, warmup=1, device="cpu", bf16=True, backend="triton")),
           **stage(lambda: levers.measure_speed(plan[0][2], bf16=True, **kw)),
           **stage(lambda: levers.measure_speed(plan[-2][2], bf16=False, **kw)),
           **stage(lambda: levers.measure_speed(profile.gpu_recipes(cuda=True)[1][1], bf16=True, **kw)),

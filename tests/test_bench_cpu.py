@@ -20,3 +20,5 @@ def test_bench_cpu_writes_every_subjects_csv(tmp_path):
         t = pd.read_csv(tmp_path / f"{name}_cpu.csv")
         assert len(t) >= 2 and all(v > 0 and math.isfinite(v) for v in t[col]), (name, t[col].tolist())
         assert t[["machine", "device", "torch", "git_sha", "date"]].notna().all().all(), name
+        if "dtype" in t:  # torch's names, as every CSV writes them (common.dtype_name)
+            assert set(t["dtype"]) <= {"float32", "float16", "bfloat16"}, (name, set(t["dtype"]))

@@ -23,9 +23,19 @@ def test_lever_verdicts():
 
 
 def test_quality_effects():
-    assert L.quality_effect(0.03) == L.LEARNS_LESS
+    assert L.quality_effect(0.03) == L.LEARNS_LESS and L.quality_effect(-0.03) == L.LEARNS_MORE
     assert L.quality_effect(0.004) == L.quality_effect(-0.004) == L.NO_EFFECT
-    assert L.quality_effect(0.01) == L.quality_effect(-0.03) == "small effect"
+    assert L.quality_effect(0.01) == L.quality_effect(-0.01) == L.SMALL_EFFECT
+    assert L.quality_effect(0.02) == L.quality_effect(-0.02) == L.quality_effect(0.005) == L.SMALL_EFFECT
+    with pytest.raises(ValueError, match="NaN"):
+        L.quality_effect(float("nan"))
+
+
+def test_the_originals_profile_tables_add_up_and_map_every_component():
+    assert set(P.ORIGINAL_ROWS) == set(P.COMPONENTS)
+    assert set(P.ORIGINAL_ROWS.values()) == set(P.ORIGINAL_FORWARD_MS)
+    assert sum(P.ORIGINAL_FORWARD_MS.values()) == P.ORIGINAL_PHASES_MS["forward"]
+    assert sum(v for k, v in P.ORIGINAL_PHASES_MS.items() if k != "total") == P.ORIGINAL_PHASES_MS["total"]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "palier0"])

@@ -25,6 +25,8 @@ def test_gpu_suite_dry_run(dry_run):
             f"{s}_{k}" for k in (*KERNELS, "kuramoto") for s in ("correctness", "timing")]:
         df = pd.read_csv(tmp_path / f"{name}.csv")
         assert len(df) and {"git_sha", "device", "torch", "triton", "date"} <= set(df.columns), name
+        if "dtype" in df:  # torch's names, as every CSV writes them (common.dtype_name)
+            assert set(df["dtype"].dropna()) <= {"float32", "float16", "bfloat16"}, (name, set(df["dtype"]))
     for k in KERNELS:
         checks = pd.read_csv(tmp_path / f"correctness_{k}.csv")
         assert checks["passed"].all(), checks[~checks["passed"]].to_dict("records")
@@ -239,8 +241,8 @@ def test_a_failing_training_configuration_does_not_lose_the_sweep(monkeypatch):
 
 
 def test_the_training_sweep_measures_each_presets_own_model(monkeypatch):
-    """train_rows builds its models from train_recipe, which the cost model's launch counts
-    (notebook 04) also take: both must be the preset's model at the sweep's chunk length."""
+    """train_rows builds its models from train_recipe, which the precompile and the cost model's
+    launch counts (notebook 04) also take: all must be the preset's model at the sweep's chunk."""
     from fractus.bench import gpu
     from fractus.model import FractusConfig
     seen, sweep = [], gpu.TRAIN_SWEEP
@@ -253,8 +255,14 @@ def test_the_training_sweep_measures_each_presets_own_model(monkeypatch):
         over = {k: v for k, v in kw.items() if k in FractusConfig.__dataclass_fields__}
         assert FractusConfig.preset(p, **over) == FractusConfig.preset(preset, chunk_len=chunk)
         assert (kw["head_positions"], kw["accum"], kw["optimizer"]) == ("all", 1, "sgd")
-    for preset, batches, chunk in sweep + gpu.DRY_SWEEP:
-        assert gpu.train_recipe(preset, chunk).config() == FractusConfig.preset(preset, chunk_len=chunk)
+    for p, _, c in sweep + gpu.DRY_SWEEP:
+        assert gpu.train_recipe(p, c).config() == FractusConfig.preset(p, chunk_len=c)
+    compiled = [(p, kw["batch_size"], FractusConfig.preset(p, **{k: v for k, v in kw.items() if k in fields}))
+                for p, kw in gpu.model_runs() if kw["steps"] and kw["head_positions"] == "all"
+                for fields in [FractusConfig.__dataclass_fields__]]
+    for p in ("palier0", "palier2"):
+        for b in (8, 16):
+            assert (p, b, FractusConfig.preset(p, chunk_len=chunk)) in compiled
 
 
 def test_nvidia_driver_version_from_nvidia_smi(tmp_path, monkeypatch):

@@ -90,8 +90,8 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
         fn = _impl(impl)
         tm = common.median_time(lambda: _fwd_bwd(fn, h, w, t), **reps)
         rows.append(dict(bench="cross_entropy", impl="chunked" if impl == "torch" else "naive",
-                         mode="fwd+bwd", dtype="fp32", tokens=case["N"], d=case["d"], V=case["V"],
-                         time_s=tm, gflops=_flops(**case) / tm / 1e9, peak_rss_bytes=peak))
+                         mode="fwd+bwd", dtype=common.dtype_name(torch.float32), tokens=case["N"], d=case["d"],
+                         V=case["V"], time_s=tm, gflops=_flops(**case) / tm / 1e9, peak_rss_bytes=peak))
     base = rows[1]
     for r in rows:
         r["time_vs_naive"] = r["time_s"] / base["time_s"]

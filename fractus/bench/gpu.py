@@ -33,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -50,23 +51,23 @@ from fractus.train import read_metrics, train
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
 TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
-# The seeds' only GPU throughput (seeds/TRAINING_LOG_1B.md): the 1B model at B=2, sequence 128, bf16
-# autocast, SGD, each of 4 RTX 5090s training its own shard; tok/s per GPU at the log's end.
+# The seeds' only measured GPU throughput (seeds/TRAINING_LOG_1B.md, "Live metrics (latest)"): the 1B
+# model at B=2, sequence 128, bf16 autocast, SGD, each of 4 RTX 5090s training its own shard; tok/s per GPU.
 ORIGINAL_1B_GPU = {"gpu": "RTX 5090", "batch_size": 2, "chunk_len": 128, "tok_s": (1012, 1077, 1083, 1083)}
 # (preset, batch sizes, chunk_len) swept for end-to-end training on the GPU
 TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
                ("palier2", (8, 64, 128), 128), ("palier3", (8, 32, 64), 128), ("1b", (8, 32, 64, 128), 128)]
 DRY_SWEEP = [("tiny", (1, 2), 16)]
+GEN_PROMPT = list(range(1, 17))  # generation's prompt (16 tokens)
 
 
 def train_recipe(preset: str, chunk_len: int, batch_size: int = 8) -> levers.Recipe:
-    """The training sweep's configuration (:func:`train_rows`: the preset's own model, every
-    position supervised, SGD, no accumulation) as a :class:`levers.Recipe`, for the cost model's
-    launch counts."""
+    """The training sweep's configuration (the preset's own model, every position supervised,
+    SGD, no accumulation) as a :class:`levers.Recipe`: :func:`train_rows` measures it, the
+    precompile compiles it and notebook 04's cost model counts its launches."""
     return levers.Recipe(preset=preset, vocab_size=FractusConfig.preset(preset).vocab_size, tie_head=True,
                          sparse_moe=True, fused_ce=True, chunk_len=chunk_len, optimizer="sgd",
                          batch_size=batch_size)
-GEN_PROMPT = list(range(1, 17))  # generation's prompt (16 tokens)
 
 
 def ceilings(device: torch.device, dry_run: bool) -> dict:
@@ -90,16 +91,16 @@ def model_runs() -> list[tuple[str, dict]]:
     every preset (their kernels take the same specialisations), B=8 and B=16 for every batch
     (Triton specialises integers on divisibility by 16), two steps (the second with the carried
     state); the levers' recipes and the profile's on the Triton kernels; generation."""
-    train = [(p, dict(batch_size=b, chunk_len=chunk, steps=2, **kw))
-             for p, kw in (("palier0", {}), ("palier2", {}), ("1b", dict(n_layers=1)))
-             for b in (8, 16) for chunk in {c for _, _, c in TRAIN_SWEEP}]
-    recipes = [(r, bf16) for _, _, r, bf16, backend in levers.gpu_plan(cuda=True) if backend != "torch"]
+    stand_ins = (("palier0", ()), ("palier2", ()), ("1b", (("n_layers", 1),)))
+    recipes = [(replace(train_recipe(p, chunk, b), dims=dims), True) for p, dims in stand_ins
+               for b in (8, 16) for chunk in {c for _, _, c in TRAIN_SWEEP}]
+    recipes += [(r, bf16) for _, _, r, bf16, backend in levers.gpu_plan(cuda=True) if backend != "torch"]
     recipes += [(r, True) for _, r in profile.gpu_recipes(cuda=True)]
     runs = [(r.preset, dict(batch_size=r.batch_size, chunk_len=r.chunk_len, head_positions=r.head_positions,
                             active_blocks=r.active_blocks, bf16=bf16, steps=2, **r.model_overrides()))
             for r, bf16 in recipes]
-    generate = [(p, dict(steps=0, **kw)) for p, kw in (("palier0", {}), ("palier2", {}), ("1b", dict(n_layers=1)))]
-    return list({repr(run): run for run in train + runs + generate}.values())  # recipes alike once
+    generate = [(p, dict(steps=0, **dict(dims))) for p, dims in stand_ins]
+    return list({repr(run): run for run in runs + generate}.values())  # recipes alike once
 
 
 def precompile_rows(dry_run: bool) -> list[dict]:
@@ -117,12 +118,11 @@ def precompile_rows(dry_run: bool) -> list[dict]:
 def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> Iterator[dict]:
     """A row per configuration of the sweep as it is measured; a failing one is an error row."""
     for preset, batches, chunk in (DRY_SWEEP if dry_run else TRAIN_SWEEP):
-        flops = sum(flops_per_token(train_recipe(preset, chunk).config(), training=True).values())
+        rec = train_recipe(preset, chunk)
+        flops = sum(flops_per_token(rec.config(), training=True, head_positions=rec.head_positions).values())
         for b in batches:
-            rec = train_recipe(preset, chunk, b)
-            kw = dict(batch_size=b, chunk_len=chunk, accum=rec.accum, optimizer=rec.optimizer,
-                      head_positions=rec.head_positions, steps=3, warmup=2, device=str(device),
-                      bf16=not dry_run, **rec.model_overrides())
+            kw = dict(train_recipe(preset, chunk, b).trainer_kwargs(), steps=3, warmup=2, device=str(device),
+                      bf16=not dry_run)
             if dry_run:
                 kw.update(backend="triton", steps=1, warmup=0)
             failed = {"preset": preset, "batch_size": b, "chunk_len": chunk, "tok_s": None, "mfu": None}
@@ -233,7 +233,7 @@ def generation_rows(device: torch.device, dry_run: bool) -> Iterator[dict]:
             model.generate(GEN_PROMPT, n_new, temperature=0.9, top_k=50, seed=0)
             sync(device)
         yield {"preset": preset, "batch_size": 1, "new_tokens": n_new, "tok_s": n_new / (time.perf_counter() - t0),
-               "dtype": "fp32" if dry_run else "bf16"}
+               "dtype": common.dtype_name(torch.float32 if dry_run else torch.bfloat16)}
 
 
 def nvidia_driver() -> str:

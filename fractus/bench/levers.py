@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fractus.bench.common import REPO, cpu_peak_bytes, cuda_peak_bytes
+from fractus.bench.common import REPO, cpu_peak_bytes, cuda_peak_bytes, dtype_name
 from fractus.bench.train import measure_training, random_batches
 from fractus.data import TokenStreams, load_meta, load_tokens, prepare
 from fractus.model import PRESETS, FractusConfig, FractusCTE
@@ -61,7 +61,8 @@ def shakespeare(vocab_size: int) -> Path:
 class Recipe:
     """One training configuration. Defaults: our reading of the original's unoptimised baseline.
     The seed states chunk 16, accumulation 1, AdamW, B=1 (4 tok/s); the untied head supervised on
-    every position, every expert computed, the trained clock and vocabulary 50257 are assumed."""
+    every position, every expert computed, the trained clock, vocabulary 50257 and the unfused
+    cross-entropy are assumed."""
     preset: str = "palier0"
     vocab_size: int = 50257
     tie_head: bool = False
@@ -95,6 +96,13 @@ class Recipe:
         uniform guess's in our runs (12.9 vs 10.8 nats after 32k tokens)."""
         return DEFAULT_LR[self.optimizer] * math.sqrt(self.tokens_per_step() / REFERENCE_TOKENS_PER_STEP)
 
+    def trainer_kwargs(self) -> dict:
+        """:func:`fractus.bench.train.measure_training`'s keywords for this recipe (the learning
+        rate, the timing and the device aside)."""
+        return dict(batch_size=self.batch_size, chunk_len=self.chunk_len, accum=self.accum,
+                    optimizer=self.optimizer, head_positions=self.head_positions,
+                    active_blocks=self.active_blocks, compile=self.compile, **self.model_overrides())
+
     def model_overrides(self) -> dict:
         """The config overrides :func:`fractus.bench.train.measure_training` takes."""
         cfg = self.config()
@@ -103,9 +111,9 @@ class Recipe:
 
 
 # (name, recipe change, the original's claim as written, its claimed whole-step gain or None,
-#  how many consecutive levers ending here that gain covers). The last three are its "remaining
-#  levers" with their expected gains; fused cross-entropy's ~1.2x names no part of the step, and is
-#  read as the whole step's.
+#  how many consecutive levers ending here that gain covers). The last three (EXPECTED) are its
+#  "remaining levers", with expected gains; fused cross-entropy's ~1.2x names no part of the step,
+#  and is read as the whole step's.
 LEVERS = [
     ("tied head", dict(tie_head=True), "~1.1x (less optimizer state)", 1.1, 1),
     ("head-partial (1 of C positions)", dict(head_positions="last"),
@@ -121,6 +129,7 @@ LEVERS = [
     ("PGSU (half the blocks per step)", dict(active_blocks=-2),
      "~2x on backward (4 of 16 blocks; in its fractus1B code)", None, 1),
 ]
+EXPECTED = tuple(name for name, *_ in LEVERS[-3:])  # levers whose gains the original expected, not measured
 # The original's combined table: baseline 4 tok/s; the 7 levers above through SGD: ~177x (707 tok/s);
 # + B=8: ~4x (1345 tok/s), ~336x in all. Its own tok/s make the B=8 step 1345 / 707 = 1.9x, not ~4x.
 ORIGINAL_COMBINED = {"baseline_tok_s": 4.0, "through_sgd": 177.0, "through_sgd_tok_s": 707.0,
@@ -176,11 +185,8 @@ def measure_speed(recipe: Recipe, min_tokens: int = 4096, min_steps: int = 3, wa
                   device: str = "cpu", bf16: bool = False, backend: str = "auto") -> dict:
     """tok/s of ``recipe``'s optimizer steps (median over ≥ ``min_steps`` and ≥ ``min_tokens``)."""
     steps = max(min_steps, math.ceil(min_tokens / recipe.tokens_per_step()))
-    r = measure_training(recipe.preset, batch_size=recipe.batch_size, chunk_len=recipe.chunk_len,
-                         accum=recipe.accum, optimizer=recipe.optimizer, lr=recipe.lr(),
-                         head_positions=recipe.head_positions, active_blocks=recipe.active_blocks,
-                         compile=recipe.compile, steps=steps, warmup=warmup, device=device,
-                         bf16=bf16, backend=backend, **recipe.model_overrides())
+    r = measure_training(recipe.preset, lr=recipe.lr(), steps=steps, warmup=warmup, device=device, bf16=bf16,
+                         backend=backend, **recipe.trainer_kwargs())
     return {"tok_s": r["tok_s"], "step_s": r["step_s"], "steps_timed": steps, "params": r["params"]}
 
 
@@ -215,15 +221,18 @@ def verdict(measured: float, claimed: float) -> str:
             "smaller than claimed" if ratio < 0.8 else "larger than claimed")
 
 
-LEARNS_LESS, NO_EFFECT = "learns less", "no measurable effect"
+LEARNS_LESS, LEARNS_MORE, NO_EFFECT, SMALL_EFFECT = "learns less", "learns more", "no measurable effect", "small effect"
 LEARNS_LESS_BPB, NO_EFFECT_BPB = 0.02, 0.005  # the bands' edges in Δ bits per byte
 
 
 def quality_effect(dbpb: float) -> str:
     """A lever's quality cost Δbpb (validation bits per byte with the lever minus without, after
-    the same tokens, one seed each): learns less above LEARNS_LESS_BPB, no measurable effect
-    within ± NO_EFFECT_BPB, else a small effect."""
-    return LEARNS_LESS if dbpb > LEARNS_LESS_BPB else NO_EFFECT if abs(dbpb) < NO_EFFECT_BPB else "small effect"
+    the same tokens, one seed each): learns less above +LEARNS_LESS_BPB, more below −LEARNS_LESS_BPB,
+    no measurable effect within ± NO_EFFECT_BPB, else a small effect. ValueError on NaN."""
+    if math.isnan(dbpb):
+        raise ValueError("no quality cost measured (NaN)")
+    return (LEARNS_LESS if dbpb > LEARNS_LESS_BPB else LEARNS_MORE if dbpb < -LEARNS_LESS_BPB else
+            NO_EFFECT if abs(dbpb) < NO_EFFECT_BPB else SMALL_EFFECT)
 
 
 def speedup(tok_s: dict[Recipe, list[float]], new: Recipe, old: Recipe) -> dict:
@@ -409,7 +418,8 @@ def gpu_rows(smoke: bool = False) -> Iterator[dict]:
     ref = last = None
     for table, name, r, bf16, backend in gpu_plan(cuda):
         m = measure_speed(r, min_tokens=min_tok, device=device, bf16=bf16, backend=backend)
-        row = {"table": table, "lever": name, "dtype": "bf16" if bf16 else "fp32", "backend": backend, **m}
+        row = {"table": table, "lever": name, "dtype": dtype_name(torch.bfloat16 if bf16 else torch.float32),
+               "backend": backend, **m}
         if table == "cumulative":
             ref, last = ref or m["tok_s"], m["tok_s"]
             row["cumulative_speedup"] = m["tok_s"] / ref

@@ -135,7 +135,8 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
 
 def _cpu_timings(smoke, b, peaks):
     reps = dict(warmup=1, reps=2 if smoke else 3)
-    common_cols = dict(bench="linear_attention", mode="fwd+bwd", dtype="fp32", threads=CPU_THREADS)
+    common_cols = dict(bench="linear_attention", mode="fwd+bwd", dtype=common.dtype_name(torch.float32),
+                       threads=CPU_THREADS)
     rows = []
     # (a) chunked PyTorch path vs the token-by-token reference, 2 levels with decay
     a = dict(B=1, T=64, H=2, D=32) if smoke else dict(B=1, T=512, H=4, D=64)

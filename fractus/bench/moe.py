@@ -129,7 +129,7 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
     for (impl, ch), peak in zip(impls, peaks):
         t = best[impl]
         rows.append(dict(bench="moe", impl="sorted" if impl == "torch" else "per_token_gather",
-                         mode="fwd+bwd", dtype="fp32", tokens=N, chunk_tokens=ch or N, **dims,
+                         mode="fwd+bwd", dtype=common.dtype_name(torch.float32), tokens=N, chunk_tokens=ch or N, **dims,
                          time_s=t, time_median_s=sorted(times[impl])[rounds // 2], rounds=rounds,
                          gflops=3 * _flops(N, **dims) / t / 1e9, peak_rss_bytes=peak,
                          speedup_vs_gather=best["gather"] / t, target=">=10x vs per_token_gather",
