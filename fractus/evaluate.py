@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from fractus.bench.common import append_csv, csv_rows, provenance
 from fractus.checkpoint import CheckpointError
 from fractus.cli import device_name, positive_int
 from fractus.data import load_meta, load_tokens
 from fractus.kernels.backend import BACKENDS
 from fractus.model import FractusCTE
+from fractus.records import append_csv, csv_rows, provenance
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import evaluate
 

@@ -19,7 +19,8 @@ import pandas as pd
 
 from fractus.allocator import keep_freed_memory
 from fractus.bench import aot
-from fractus.bench.common import SMOKE, write_csv
+from fractus.bench.common import SMOKE
+from fractus.records import write_csv
 
 SUBJECTS = ("train", "linear_attention", "moe", "cross_entropy")
 

@@ -41,12 +41,13 @@ import torch
 
 from fractus.atomic import atomic_open
 from fractus.bench import aot, common, levers, profile
-from fractus.bench.common import check_rows, cuda_context_lost, cuda_name, median_time, provenance, sync, write_csv
+from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
 from fractus.bench.costmodel import H200_DATASHEET, H200_NVL_BF16_TFLOPS, flops_per_token
 from fractus.bench.train import measure_training
 from fractus.data import prepare, write_toy_corpus
 from fractus.kernels import backend as _backend
 from fractus.model import FractusConfig, FractusCTE
+from fractus.records import cuda_name, provenance, write_csv
 from fractus.train import read_metrics, train
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")

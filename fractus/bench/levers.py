@@ -29,10 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fractus.bench.common import REPO, cpu_peak_bytes, cuda_peak_bytes, dtype_name
+from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes, dtype_name
 from fractus.bench.train import measure_training, random_batches
 from fractus.data import TokenStreams, load_meta, load_tokens, prepare
 from fractus.model import PRESETS, FractusConfig, FractusCTE
+from fractus.records import REPO
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import DEFAULT_LR, evaluate, lr_lambda, make_optimizer, micro_steps, set_active_blocks
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from fractus.bench.common import REPO, SMOKE, provenance
+from fractus.bench.common import SMOKE
+from fractus.records import REPO, provenance
 
 # The GPU suite's CSVs (``python -m fractus.bench gpu --out results/gpu``); FRACTUS_GPU_RESULTS reads another folder.
 GPU_DIR = Path(os.environ.get("FRACTUS_GPU_RESULTS", REPO / "results" / "gpu"))

@@ -1,0 +1,140 @@
+"""Where and with what a measurement was made, and the results CSVs that carry it: every row
+of ``results/*.csv`` ends in the provenance columns (machine, device, torch, triton, git_sha, date).
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import functools
+import json
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from fractus.atomic import atomic_open
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout: results/, data/
+
+
+def _code_cells(notebook_json: str) -> list[str]:
+    return ["".join(c["source"]) for c in json.loads(notebook_json)["cells"] if c["cell_type"] == "code"]
+
+
+def git_sha(root: Path = REPO) -> str:
+    """HEAD's short sha, with "-dirty" when a tracked file differs from it, except a run's own
+    outputs: files under ``results/``, and notebooks whose code cells are HEAD's (a notebook run
+    in place, as ``make notebooks`` does one after another, changes only its outputs)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout
+
+    def outputs_only(path: str) -> bool:
+        if not path.endswith(".ipynb"):
+            return False
+        try:
+            return _code_cells((top / path).read_text()) == _code_cells(git("show", f"HEAD:{path}"))
+        except (OSError, ValueError, KeyError):
+            return False
+    try:
+        sha = git("rev-parse", "--short=12", "HEAD").strip()
+        if not sha:
+            return "unknown"
+        top = Path(git("rev-parse", "--show-toplevel").strip())
+        changed = git("diff", "--name-only", "HEAD", "--", ".", ":(exclude)results").splitlines()
+        return sha + ("-dirty" if any(not outputs_only(p) for p in changed) else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache
+def cuda_name(index: int | None) -> str:
+    """The GPU's name, read once: rows written after a kernel lost CUDA's context still get it."""
+    return torch.cuda.get_device_name(index)
+
+
+def provenance(device: torch.device | str = "cpu") -> dict:
+    """Where and with what a measurement was made: one dict per row of every results CSV."""
+    device = torch.device(device)
+    try:
+        import triton
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = "absent"
+    if device.type == "cuda":
+        dev = cuda_name(device.index)
+    else:
+        dev = f"cpu: {cpu_name()} ({torch.get_num_threads()} threads)"
+    return {
+        "machine": f"{socket.gethostname()} {platform.machine()} {os.cpu_count()} cores",
+        "device": dev,
+        "torch": torch.__version__,
+        "triton": triton_v,
+        "git_sha": git_sha(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def write_csv(path: str | Path, rows: Iterable[dict], device: torch.device | str = "cpu") -> Path:
+    """Write ``rows`` with provenance columns appended to each; returns the path."""
+    rows = list(rows)
+    if not rows:
+        raise ValueError(f"no rows to write to {path}")
+    prov = provenance(device)
+    return _write_rows(path, [{**r, **prov} for r in rows])
+
+
+def append_csv(path: str | Path, row: dict, device: torch.device | str = "cpu") -> Path:
+    """Add ``row`` with its provenance to the CSV at ``path`` (created if absent), keeping the
+    rows already there as they are; refused as :func:`csv_rows` says."""
+    row = {**row, **provenance(device)}
+    return _write_rows(path, [*csv_rows(path, list(row)), row])
+
+
+def csv_rows(path: str | Path, columns: list[str]) -> list[dict]:
+    """The rows of the CSV at ``path`` ([] if absent or empty), once it is known that a row of
+    ``columns`` can be added: ValueError naming the file unless it is a CSV of exactly these
+    columns, OSError unless its folder can be written."""
+    path = Path(path)
+    lines = []
+    if path.exists():
+        try:
+            with open(path, newline="") as f:
+                lines = [r for r in csv.reader(f) if r]
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise ValueError(f"{path} is not a CSV file ({e}): refusing to add a row to it") from None
+        if lines and (lines[0] != columns or any(len(r) != len(columns) for r in lines)):
+            raise ValueError(f"{path} is not a CSV of the columns {', '.join(columns)}: refusing to add a "
+                             "row to it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        raise OSError(f"cannot write {path}: its folder cannot be created or written ({e.strerror})") from None
+    return [dict(zip(columns, r)) for r in lines[1:]]
+
+
+def _write_rows(path: str | Path, rows: list[dict]) -> Path:
+    """``rows`` to ``path`` atomically, columns in order of first appearance."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    return path
