@@ -168,3 +168,5 @@ def test_token_streams_are_contiguous_and_resumable():
     assert (np.concatenate(ranks) == whole.numpy()).all()
     with pytest.raises(ValueError, match="too short"):
         TokenStreams(np.arange(20, dtype=np.uint16), batch_size=4, chunk_len=10)
+    with pytest.raises(ValueError, match="batch_size and chunk_len must be ≥ 1, got 0 and 10"):
+        TokenStreams(tokens, batch_size=0, chunk_len=10)

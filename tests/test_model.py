@@ -153,6 +153,8 @@ def test_config_validation():
         FractusConfig(d_model=30, n_heads=4)
     with pytest.raises(ValueError):
         FractusConfig(attn_decay=1.5)
+    with pytest.raises(ValueError, match="attn_decay has 3 values for 4 heads"):
+        FractusConfig(n_heads=4, attn_decay=(0.9, 0.9, 0.9))
     with pytest.raises(ValueError):
         FractusConfig(top_k=5, n_experts=4)
     with pytest.raises(ValueError, match=r"unknown config keys \['n_layer'\]"):
@@ -217,6 +219,11 @@ def test_forward_and_generate_refuse_bad_shapes():
     state = model(torch.ones(1, 3, dtype=torch.long))[2]
     with pytest.raises(ValueError, match="state holds 1 blocks' \\(S, z\\), the model has 2 blocks"):
         model(torch.ones(1, 3, dtype=torch.long), state[:1])
+    x = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"targets shape \(2, 4\) != idx shape \(2, 3\)"):
+        model(x, targets=torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="head_positions must be 'all' or 'last', got 'first'"):
+        model(x, targets=x, head_positions="first")
     assert model.generate(torch.tensor([1, 2, 3]), 2, temperature=0) == model.generate([1, 2, 3], 2, temperature=0)
 
 
@@ -283,6 +290,11 @@ def test_checkpoint_roundtrip_and_errors(tmp_path):
     other = FractusCTE(FractusConfig.preset("tiny", n_experts=5))
     with pytest.raises(CheckpointError, match="does not match"):
         load_model_state(other, load_checkpoint(p)["model"], p)
+    state = dict(model.state_dict())
+    state["extra.weight"] = state.pop("embed.weight")
+    with pytest.raises(CheckpointError, match=r"missing 1 tensors, e.g. \['embed.weight'\]; "
+                                              r"unexpected 1 tensors, e.g. \['extra.weight'\]"):
+        load_model_state(back, state, p)
     data = p.read_bytes()
     (tmp_path / "trunc.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated"):

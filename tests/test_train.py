@@ -346,6 +346,8 @@ def test_bad_arguments(data, tmp_path, capsys):
              (["--set", "chunk_len=64", "backend=torch"], "not --set: chunk_len → --chunk-len, backend → --backend"),
              (["--set", "n_layers=0", "tie_head=maybe"], "n_layers must be an integer ≥ 1, got 0; tie_head must be"),
              (["--set", "n_layers=3", "--set", "n_layers=4"], "--set n_layers given twice"),
+             (["--set", "n_layers"], "--set expects KEY=VALUE, got 'n_layers'"),
+             (["--active-blocks", "3"], "--active-blocks must be ≤ n_layers"),
              (["--lr", "inf"], "argument --lr: must be finite and ≥ 0, got inf"),
              (["--min-lr-ratio", "5"], "argument --min-lr-ratio: must be finite and ≥ 0 and ≤ 1, got 5"),
              (["--ckpt-every", "-1"], "argument --ckpt-every: must be ≥ 0, got -1"),
