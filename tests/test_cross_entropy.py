@@ -154,6 +154,23 @@ def test_out_of_range_target(path):
 
 
 @pytest.mark.parametrize("path", ["torch", "triton", "reference"])
+def test_bad_shapes_reduction_and_positions(path):
+    """Mismatched shapes, an unknown reduction and positions outside the rows are errors naming
+    the argument on every path."""
+    h, w, t = _inputs(8, 127, 48)
+    cases = [((h[0], w, t), {}, r"h must be \[N, d\] and weight \[V, d\], got \(48,\)"),
+             ((h, w[:, :40], t), {}, r"got \(8, 48\) and \(127, 40\)"),
+             ((h, w, t[:7]), {}, r"targets must be \[N\]=8, got \(7,\)"),
+             ((h, w, t), {"reduction": "none"}, "reduction must be 'mean' or 'sum', got 'none'"),
+             ((h, w, t), {"positions": torch.zeros(2, 2, dtype=torch.long)}, r"positions must be \[M\]"),
+             ((h, w, t), {"positions": torch.tensor([0, 8])}, r"positions must lie in \[0, 8\), got range \[0, 8\]"),
+             ((h, w, t), {"positions": torch.tensor([-1, 3])}, r"got range \[-1, 3\]")]
+    for args, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            linear_cross_entropy(*args, backend=path, **kw)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton", "reference"])
 def test_non_integer_targets_or_positions(path):
     """A bool mask as positions, or float targets, is refused on every path (the Triton path
     used to read a mask as indices 0/1)."""

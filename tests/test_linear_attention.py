@@ -288,8 +288,17 @@ def test_bad_decay_and_dtype(path):
     cases = [({"decay": torch.tensor([0.9, 0.0])}, ValueError, r"decay must lie in \(0, 1\]"),
              ({"decay": torch.tensor([0.9, 1.5])}, ValueError, r"decay must lie in \(0, 1\]"),
              ({"decay": [0.9, 0.9]}, ValueError, r"decay must be None or an \[H\]=2 tensor"),
-             ({"q": q.long()}, TypeError, "q, k, v must be floating")]
+             ({"q": q.long()}, TypeError, "q, k, v must be floating"),
+             ({"q": q[:, :2]}, ValueError, r"q, k, v must all be \[B, T, H, D\]; got \(1, 2, 2, 16\)"),
+             ({"q": q[0]}, ValueError, r"q, k, v must all be \[B, T, H, D\]"),
+             ({"q": q[:, :0], "k": q[:, :0], "v": q[:, :0]}, ValueError, "need T >= 1 and at least one level; got T=0"),
+             ({"w": torch.ones(3) / 3}, ValueError, r"level_weights must be \[Lv\]=2, got \(3,\)")]
+    if path == "triton":
+        cases += [({"q": q.double(), "k": q.double(), "v": q.double()}, TypeError,
+                   "the Triton linear attention takes fp32/fp16/bf16 inputs, got torch.float64"),
+                  ({"q": torch.randn(1, 3, 1, 256), "k": torch.randn(1, 3, 1, 256), "v": torch.randn(1, 3, 1, 256),
+                    "decay": None}, ValueError, "D <= 128, got 256")]
     for kw, err, msg in cases:
-        args = {"q": q, **kw}
+        args = {"q": q, "k": q, "v": q, "w": w, **kw}
         with pytest.raises(err, match=msg):
-            linear_attention(args.pop("q"), q, q, w, OMEGAS, backend=path, **args)
+            linear_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("w"), OMEGAS, backend=path, **args)

@@ -125,6 +125,10 @@ BAD = [
      r"idx must lie in \[0, E=3\)"),
     ("float idx", True, lambda x, i, w, ex: (x, i.float(), w, ex), TypeError, r"idx"),
     ("int w", True, lambda x, i, w, ex: (x, i, torch.ones(4, 2, dtype=torch.int64), ex), TypeError, r"w"),
+    ("b1 [E]", True, lambda x, i, w, ex: (x, i, w, _set(ex, b1=ex["b1"][:, 0])), ValueError,
+     r"experts\['b1'\] must be \[E, F\]"),
+    ("int U1", True, lambda x, i, w, ex: (x, i, w, _set(ex, U1=ex["U1"].long())), TypeError,
+     r"experts\['U1'\] must be floating"),
     ("fp64 dense on Triton", False,
      lambda x, i, w, ex: (x.double(), i, w.double(), {k: v.double() for k, v in ex.items()}), TypeError,
      r"Triton MoE takes fp32/fp16/bf16 x"),
@@ -143,6 +147,18 @@ def test_bad_inputs_raise(backend, name, lowrank, bad, err, msg):
     x, idx, w = (t.detach() for t in make_inputs(4, 3, 2))
     with pytest.raises(err, match=msg):
         moe(*bad(x, idx, w, ex), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "reference"])
+@pytest.mark.parametrize("lowrank", [True, False])
+def test_no_tokens(backend, lowrank):
+    """N = 0: an empty [0, d] output on every path, and backward runs through it."""
+    ex = make_experts(3, lowrank=lowrank)
+    x, idx, w = make_inputs(4, 3, 2)
+    y = moe(x[:0], idx[:0], w[:0], ex, backend=backend)
+    assert y.shape == (0, D) and y.dtype == x.dtype
+    y.sum().backward()
+    assert all(t.grad is None or not t.grad.any() for t in (x, w, *ex.values()))
 
 
 # ----------------------------------------------------------------------------- Triton (interpreter)

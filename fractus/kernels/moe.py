@@ -100,8 +100,8 @@ def moe_reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
             e = int(idx[n, k])
             acc = acc + w32[n, k] * _expert(x32[n:n + 1], e, ex, lowrank)[0]
         rows.append(acc)
-    if not rows:
-        return x32.new_zeros(x.shape).to(x.dtype)
+    if not rows:  # no tokens: an empty y that backward still runs through
+        return (0.0 * x32).to(x.dtype)
     return torch.stack(rows).to(x.dtype)
 
 
