@@ -1,5 +1,5 @@
 """Where and with what a measurement was made, and the results CSVs that carry it: every row
-of ``results/*.csv`` ends in the provenance columns (machine, device, torch, triton, git_sha, date).
+of ``results/*.csv`` carries the provenance columns (machine, device, torch, triton, git_sha, date).
 """
 from __future__ import annotations
 

@@ -280,9 +280,10 @@ def test_bad_state_shape():
 
 
 @pytest.mark.parametrize("path", ["torch", "triton", "reference"])
-def test_bad_decay_and_dtype(path):
-    """A decay outside (0, 1] (the torch path gave NaN for 0), a list instead of a tensor, and
-    integer q/k/v are errors on every path."""
+def test_bad_inputs(path):
+    """A decay outside (0, 1] (the torch path gave NaN for 0), a list instead of a tensor, integer
+    q/k/v, mismatched shapes, T=0 and the wrong number of level weights are errors on every path;
+    fp64 and D > 128 on the Triton path."""
     q = torch.randn(1, 3, 2, 16)
     w = torch.ones(2) / 2
     cases = [({"decay": torch.tensor([0.9, 0.0])}, ValueError, r"decay must lie in \(0, 1\]"),
@@ -296,8 +297,8 @@ def test_bad_decay_and_dtype(path):
     if path == "triton":
         cases += [({"q": q.double(), "k": q.double(), "v": q.double()}, TypeError,
                    "the Triton linear attention takes fp32/fp16/bf16 inputs, got torch.float64"),
-                  ({"q": torch.randn(1, 3, 1, 256), "k": torch.randn(1, 3, 1, 256), "v": torch.randn(1, 3, 1, 256),
-                    "decay": None}, ValueError, "D <= 128, got 256")]
+                  ({"q": torch.randn(1, 3, 1, 256), "k": torch.randn(1, 3, 1, 256), "v": torch.randn(1, 3, 1, 256)},
+                   ValueError, "D <= 128, got 256")]
     for kw, err, msg in cases:
         args = {"q": q, "k": q, "v": q, "w": w, **kw}
         with pytest.raises(err, match=msg):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from fractus import records
-from fractus.records import append_csv, git_sha
 
 
 def test_git_sha_is_dirty_for_code_not_for_results(tmp_path):
@@ -25,17 +24,17 @@ def test_git_sha_is_dirty_for_code_not_for_results(tmp_path):
     notebook("print(1)", "1")
     git("add", ".")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
-    clean = git_sha(tmp_path)
+    clean = records.git_sha(tmp_path)
     assert len(clean) == 12 and not clean.endswith("-dirty")
     (tmp_path / "results" / "x.csv").write_text("b\n")  # a run writing its outputs
     notebook("print(1)", "2")                            # a notebook run in place: new outputs
-    assert git_sha(tmp_path) == clean
+    assert records.git_sha(tmp_path) == clean
     notebook("print(2)", "2")                            # its code changed
-    assert git_sha(tmp_path) == clean + "-dirty"
+    assert records.git_sha(tmp_path) == clean + "-dirty"
     notebook("print(1)", "2")
-    assert git_sha(tmp_path) == clean
+    assert records.git_sha(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")
-    assert git_sha(tmp_path) == clean + "-dirty"
+    assert records.git_sha(tmp_path) == clean + "-dirty"
 
 
 def test_provenance_reads_the_gpu_name_once(monkeypatch):
@@ -55,7 +54,7 @@ def test_append_csv_keeps_its_rows_and_refuses_other_files(tmp_path):
     table = tmp_path / "eval.csv"
     table.write_text("")
     for ce in (1.5, 2.5):
-        append_csv(table, {"checkpoint": "a.pt", "ce": ce})
+        records.append_csv(table, {"checkpoint": "a.pt", "ce": ce})
     with open(table, newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["ce"] for r in rows] == ["1.5", "2.5"] and all(r["git_sha"] for r in rows)
@@ -65,11 +64,11 @@ def test_append_csv_keeps_its_rows_and_refuses_other_files(tmp_path):
     for name, content in foreign.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ValueError, match=f"{name} is not a CSV"):
-            append_csv(tmp_path / name, {"checkpoint": "a.pt", "ce": 1.5})
+            records.append_csv(tmp_path / name, {"checkpoint": "a.pt", "ce": 1.5})
         assert (tmp_path / name).read_bytes() == content
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError, match="its folder cannot be created or written"):
-        append_csv(tmp_path / "file" / "eval.csv", {"ce": 1.5})
+        records.append_csv(tmp_path / "file" / "eval.csv", {"ce": 1.5})
 
 
 def test_write_csv_appends_the_provenance_to_every_row(tmp_path):
@@ -85,7 +84,7 @@ def test_write_csv_appends_the_provenance_to_every_row(tmp_path):
 
 def test_evaluation_and_training_do_not_import_the_benchmarks():
     """Provenance lives beside the model: ``fractus.evaluate`` and ``fractus.train`` load no
-    benchmark module (pandas, the cost model, the GPU suite)."""
+    ``fractus.bench`` module."""
     code = ("import sys, fractus.evaluate, fractus.train; "
             "print(sorted(m for m in sys.modules if m.startswith('fractus.bench')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -5,6 +5,6 @@ training throughput (``train``); ``levers`` (the optimization table), ``profile`
 component), ``probes`` (generation and merge probes) and ``costmodel`` (analytic FLOPs, bytes
 and ceilings) feed the notebooks; ``aot`` compiles every kernel for a GPU without one; ``gpu`` is
 the GPU suite; ``report`` draws the notebooks' plots; :mod:`fractus.bench.common` holds the
-timing, memory and correctness-check helpers they share; their rows' provenance and CSVs come
+smoke switch and the timing, memory and correctness-check helpers they share; their rows' provenance and CSVs come
 from :mod:`fractus.records`.
 """

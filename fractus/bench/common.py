@@ -1,5 +1,6 @@
-"""Timing, peak-memory and correctness-check helpers shared by every benchmark (their rows'
-provenance and CSVs: :mod:`fractus.records`)."""
+"""The smoke switch (``SMOKE``: ``FRACTUS_SMOKE=1``), and the timing, peak-memory and
+correctness-check helpers shared by every benchmark (their rows' provenance and CSVs:
+:mod:`fractus.records`)."""
 from __future__ import annotations
 
 import importlib
