@@ -166,6 +166,18 @@ def test_toggles_switch_one_lever_in_the_combined_configuration():
         assert (on == combined) != (name.startswith("PGSU")) and (off == combined) == name.startswith("PGSU")
 
 
+def test_bf16_gain_of_a_levers_table():
+    import pandas as pd
+    plan = L.gpu_plan(cuda=True)
+    table = pd.DataFrame([{"table": t, "lever": n, "dtype": "bfloat16" if bf16 else "float32", "tok_s": 100.0}
+                          for t, n, _, bf16, _ in plan])
+    table.loc[table["table"] != "cumulative", "speedup_vs_last_row"] = [0.5, 0.25]  # fp32, then PyTorch
+    assert L.bf16_gain(table) == 2.0
+    assert L.bf16_gain(table[table["table"] == "cumulative"]) is None  # stopped before its variants
+    assert L.bf16_gain(table.assign(dtype="float32")) is None  # a dry run: fp32 throughout
+    assert L.bf16_gain(table.iloc[:0]) is None
+
+
 def test_spread_windows():
     import numpy as np
     t = np.arange(1000)

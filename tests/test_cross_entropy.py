@@ -98,13 +98,13 @@ def test_triton_vocab_splits():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_gpu_tiles(monkeypatch, dtype):
     """The GPU's tiles for the dtype (the other tests run the interpreter's small ones): 64-row
-    token blocks, the vocab split across the programs of an H200 (132 multiprocessors), a ragged
-    last vocab tile, ragged d along BLOCK_K and BLOCK_D; fp16 weights: dW in two slabs of 132
-    vocab tiles, the second partial."""
+    token blocks (dW's: 128 rows in fp16, the second ragged), the vocab split across the programs
+    of an H200 (132 multiprocessors), a ragged last vocab tile, ragged d along BLOCK_K and BLOCK_D;
+    fp16 weights: dW in two slabs of 132 vocab tiles, the second partial."""
     monkeypatch.setattr(ce_mod, "_config", lambda h, V: ce_mod.gpu_config(h.dtype))
     cfg = ce_mod.gpu_config(dtype)
     N, d = 150, 200
-    V = 3000 if dtype == torch.float32 else cfg["slab_tiles"] * cfg["BLOCK_V"] + 500
+    V = 3000 if dtype == torch.float32 else cfg["slab_tiles"] * cfg["DW_BLOCK_V"] + 500
     assert ce_mod._n_split(N, V, cfg) > 1
     h, w, t = _inputs(N, V, d, dtype=dtype)
     kw = dict(z_loss=1e-3, softcap=4.0)

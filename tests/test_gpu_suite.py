@@ -85,8 +85,8 @@ def test_the_summary_prints_a_pass_fail_table_per_kernel_and_dtype(dry_run, caps
 def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
     """Notebooks 01-04 say "not measured" until results/gpu/ exists; here their GPU sections run on
     a dry run's tables (FRACTUS_GPU_RESULTS), with training rows relabelled as the sweep's (one
-    measured, one preset whose every configuration failed), so that a GPU run's tables never meet
-    code that has not run."""
+    measured, one preset whose every configuration failed) and the levers' as bf16 autocast's, so
+    that a GPU run's tables never meet code that has not run."""
     import shutil
 
     import nbformat
@@ -98,6 +98,9 @@ def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
     failed = [{"preset": "1b", "batch_size": b, "chunk_len": 128, "tok_s": None, "mfu": None,  # a preset
                "error": "out of memory"} for b in (8, 32)]  # whose every configuration failed
     pd.concat([train, measured, pd.DataFrame(failed)]).to_csv(gpu_dir / "train_throughput.csv", index=False)
+    levers = pd.read_csv(gpu_dir / "levers.csv")  # and as if in bf16 autocast but the fp32 variant
+    levers.loc[levers["lever"] != "fp32 (no autocast)", "dtype"] = "bfloat16"
+    levers.to_csv(gpu_dir / "levers.csv", index=False)
     monkeypatch.setenv("FRACTUS_SMOKE", "1")
     monkeypatch.setenv("FRACTUS_GPU_RESULTS", str(gpu_dir))
     notebooks = Path(__file__).resolve().parents[1] / "notebooks"
@@ -107,6 +110,7 @@ def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
         text = "\n".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
                          for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
         assert not re.search(r"not measured on a GPU yet|No GPU run yet", text), path.name
+        assert ("bf16 autocast: " in text) == path.name.startswith("02_"), path.name
 
 
 def test_gpu_suite_budget_skips_stages(tmp_path):

@@ -222,7 +222,9 @@ def trainer_rows(device: torch.device) -> list[dict]:
 
 
 def generation_rows(device: torch.device, dry_run: bool) -> Iterator[dict]:
-    """Tick-by-tick generation tokens/s (batch 1, a 16-token prompt), a row per preset."""
+    """Tick-by-tick generation tokens/s (batch 1, a 16-token prompt), a row per preset: new tokens
+    over the seconds of one ``generate`` call, whose chunked prefill of the prompt (about one
+    tick's launches) is included."""
     for preset in (("tiny",) if dry_run else ("palier0", "palier2", "1b")):
         cfg = FractusConfig.preset(preset, backend="triton" if dry_run else "auto")
         with device:

@@ -427,3 +427,14 @@ def gpu_rows(smoke: bool = False) -> Iterator[dict]:
         else:
             row["speedup_vs_last_row"] = m["tok_s"] / last
         yield row
+
+
+def bf16_gain(table) -> float | None:
+    """tok/s of :func:`gpu_rows`' last cumulative row (bf16 autocast) over its fp32 variant, from
+    a levers table (a DataFrame); None when not measured: a dry run's table (fp32 throughout) or
+    a stage stopped before its fp32 row."""
+    cumulative = table[table["table"] == "cumulative"]
+    fp32 = table[table["lever"] == "fp32 (no autocast)"]
+    if not len(cumulative) or cumulative["dtype"].iloc[-1] != dtype_name(torch.bfloat16) or not len(fp32):
+        return None
+    return 1 / float(fp32["speedup_vs_last_row"].iloc[0])

@@ -348,19 +348,24 @@ _H200_SMS = 132  # streaming multiprocessors assumed when compiling ahead of tim
 
 def gpu_config(dtype: torch.dtype, sms: int = _H200_SMS) -> dict:
     """The GPU's tile sizes by dtype on a device of ``sms`` multiprocessors (tests run them in the
-    interpreter too). programs: grid size worth filling; slab_tiles: vocab tiles per dW launch (one wave)."""
+    interpreter too). programs: grid size worth filling; slab_tiles: vocab tiles per dW launch (one wave).
+    DW_BLOCK_M / DW_BLOCK_V: the dW kernel's token block and vocab tile. Its program adds each
+    token block's product into its [DW_BLOCK_V, d] fp32 rows of dW in memory (a read and a write),
+    so a larger token block means fewer such passes per FLOP, and a narrower vocab tile fewer rows
+    per wave (1b head, bf16, 128 × 64: 132 × 64 × 1280 × 4 B = 43 MB, against an H200's 50 MB L2).
+    Against the forward's 64 × 128 that halves both, with fewer registers (sm_90: 174 vs 218)."""
     if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32, BLOCK_D=64, num_warps=4, num_stages=2,
-                    programs=2 * sms, slab_tiles=sms)
-    return dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64, BLOCK_D=64, num_warps=8, num_stages=3,
-                programs=2 * sms, slab_tiles=sms)
+        return dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32, BLOCK_D=64, DW_BLOCK_M=64, DW_BLOCK_V=64,
+                    num_warps=4, num_stages=2, programs=2 * sms, slab_tiles=sms)
+    return dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64, BLOCK_D=64, DW_BLOCK_M=128, DW_BLOCK_V=64,
+                num_warps=8, num_stages=3, programs=2 * sms, slab_tiles=sms)
 
 
 def _config(h: torch.Tensor, V: int) -> dict:
     """Tile sizes: interpreter tiles are small so tests span several tiles; GPU tiles by dtype."""
     if _backend.interpreting():
-        return dict(BLOCK_M=16, BLOCK_V=32 if V <= 4096 else 128, BLOCK_K=32, BLOCK_D=32,
-                    num_warps=4, num_stages=1, programs=2, slab_tiles=4)
+        return dict(BLOCK_M=16, BLOCK_V=32 if V <= 4096 else 128, BLOCK_K=32, BLOCK_D=32, DW_BLOCK_M=32,
+                    DW_BLOCK_V=16 if V <= 4096 else 128, num_warps=4, num_stages=1, programs=2, slab_tiles=4)
     return gpu_config(h.dtype, torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda
                       else _H200_SMS)
 
@@ -419,10 +424,11 @@ class _TritonLCE(torch.autograd.Function):
         if reduction == "mean":
             g = g / (t != ignore_index).sum().clamp_min(1)
         pos = positions if positions is not None else t
-        common = dict(HAS_POS=positions is not None, SOFTCAP=softcap is not None,
-                      BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
+        common = dict(HAS_POS=positions is not None, SOFTCAP=softcap is not None, BLOCK_K=cfg["BLOCK_K"],
                       BLOCK_D=cfg["BLOCK_D"], DOT_PREC=_backend.dot_precision(h_), num_warps=cfg["num_warps"],
                       num_stages=cfg["num_stages"])
+        dh_tiles = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"])
+        dw_tiles = dict(BLOCK_M=cfg["DW_BLOCK_M"], BLOCK_V=cfg["DW_BLOCK_V"])
         args = (M, V, D, h_.stride(0), w_.stride(0), ignore_index, float(softcap or 1.0),
                 2.0 * z_loss)
         dH = dW = None
@@ -433,7 +439,7 @@ class _TritonLCE(torch.autograd.Function):
                 S = _n_split(M, V, cfg)
                 dh_p = _backend.empty(S, M, D, dtype=torch.float32, device=dev)
                 grid = (triton.cdiv(M, cfg["BLOCK_M"]), S)
-                _lce_bwd_dh_kernel[grid](h_, w_, t, pos, lse, g, dh_p, *args, **common)
+                _lce_bwd_dh_kernel[grid](h_, w_, t, pos, lse, g, dh_p, *args, **dh_tiles, **common)
                 dH = dh_p[0] if S == 1 else dh_p.sum(0)
                 if positions is not None:
                     dH = torch.zeros(N, D, dtype=torch.float32, device=dev).index_add_(0, positions, dH)
@@ -443,16 +449,16 @@ class _TritonLCE(torch.autograd.Function):
                 dW = torch.zeros(V, D, dtype=w_dtype, device=dev)
             elif w_dtype == torch.float32:
                 dW = _backend.empty(V, D, dtype=torch.float32, device=dev)
-                grid = (triton.cdiv(V, cfg["BLOCK_V"]),)
-                _lce_bwd_dw_kernel[grid](h_, w_, t, pos, lse, g, dW, 0, *args, **common)
+                grid = (triton.cdiv(V, cfg["DW_BLOCK_V"]),)
+                _lce_bwd_dw_kernel[grid](h_, w_, t, pos, lse, g, dW, 0, *args, **dw_tiles, **common)
             else:  # fp32 accumulation in a reused slab of whole waves of vocab tiles, then cast
                 dW = _backend.empty(V, D, dtype=w_dtype, device=dev)
-                rows = cfg["slab_tiles"] * cfg["BLOCK_V"]
+                rows = cfg["slab_tiles"] * cfg["DW_BLOCK_V"]
                 slab = _backend.empty(min(rows, V), D, dtype=torch.float32, device=dev)
                 for v0 in range(0, V, rows):
                     n = min(rows, V - v0)
-                    grid = (triton.cdiv(n, cfg["BLOCK_V"]),)
-                    _lce_bwd_dw_kernel[grid](h_, w_, t, pos, lse, g, slab, v0, *args, **common)
+                    grid = (triton.cdiv(n, cfg["DW_BLOCK_V"]),)
+                    _lce_bwd_dw_kernel[grid](h_, w_, t, pos, lse, g, slab, v0, *args, **dw_tiles, **common)
                     dW[v0:v0 + n].copy_(slab[:n])
         return dH, dW, None, None, None, None, None, None
 

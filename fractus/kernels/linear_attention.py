@@ -130,7 +130,9 @@ def _chunks(fq, fk, ve, S, lg, C):
 
 
 def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
-    """Chunked forward in fp32 with plain autograd; cost linear in T, no [B, T, D, D] tensor."""
+    """Chunked forward in fp32 with plain autograd; cost linear in T, no [B, T, D, D] tensor.
+    Under autocast the matmuls take its dtype (as the Triton kernels' dots take the inputs');
+    the state is still summed in fp32."""
     B, T, H, D = q.shape
     Lv = len(omegas)
     N = Lv * H
