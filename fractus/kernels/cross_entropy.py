@@ -352,8 +352,9 @@ def gpu_config(dtype: torch.dtype, sms: int = _H200_SMS) -> dict:
     DW_BLOCK_M / DW_BLOCK_V: the dW kernel's token block and vocab tile. Its program adds each
     token block's product into its [DW_BLOCK_V, d] fp32 rows of dW in memory (a read and a write),
     so a larger token block means fewer such passes per FLOP, and a narrower vocab tile fewer rows
-    per wave (1b head, bf16, 128 × 64: 132 × 64 × 1280 × 4 B = 43 MB, within an H200's 60 MB L2).
-    Against the forward's 64 × 128 that halves both, with fewer registers (sm_90: 174 vs 218)."""
+    per wave (1b head, bf16, 128 × 64: 132 × 64 × 1280 × 4 B = 43 MB, within the 60 MB of L2
+    PyTorch reports on an H200). Against the forward's 64 × 128 that halves both, with fewer
+    registers (sm_90: 174 vs 218), and doubles the reads of h, shared by a wave's programs."""
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32, BLOCK_D=64, DW_BLOCK_M=64, DW_BLOCK_V=64,
                     num_warps=4, num_stages=2, programs=2 * sms, slab_tiles=sms)
