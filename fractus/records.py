@@ -1,8 +1,13 @@
 """Where and with what a measurement was made, and the results CSVs that carry it: every row
 of ``results/*.csv`` carries the provenance columns (machine, device, torch, triton, git_sha, date).
+
+``python -m fractus.records RUN --out CSV [--label TEXT] [--force]`` writes a finished training
+run's ``metrics.csv`` as such a CSV: each row with the run's label, the fingerprint of its
+checkpoint's weights and the provenance of the training process that logged it.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import functools
@@ -11,6 +16,7 @@ import os
 import platform
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable
@@ -18,6 +24,7 @@ from typing import Iterable
 import torch
 
 from fractus.atomic import atomic_open
+from fractus.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout: results/, data/
 
@@ -82,7 +89,7 @@ def provenance(device: torch.device | str = "cpu") -> dict:
     return {
         "machine": f"{socket.gethostname()} {platform.machine()} {os.cpu_count()} cores",
         "device": dev,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # not TorchVersion: checkpoints hold plain values
         "triton": triton_v,
         "git_sha": git_sha(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -138,3 +145,56 @@ def _write_rows(path: str | Path, rows: list[dict]) -> Path:
         w.writeheader()
         w.writerows(rows)
     return path
+
+
+def run_rows(run: str | Path, label: str | None = None) -> list[dict]:
+    """A finished training run's ``metrics.csv`` rows (``run``: the trainer's ``--out``), each with
+    ``run`` (``label``, by default the folder), ``weights`` (the fingerprint of the checkpoint's
+    weights) and the provenance of the training process that logged its step (the checkpoint's
+    ``sessions``). ValueError unless metrics.csv ends at the checkpoint's step with the final
+    validation, and the checkpoint records the process of every step."""
+    from fractus.train import read_metrics
+    run = Path(run)
+    ckpt = load_checkpoint(run / "ckpt.pt")
+    rows = read_metrics(run / "metrics.csv")
+    if not rows or int(rows[-1]["step"]) != ckpt["step"] or not rows[-1]["val_ce"]:
+        raise ValueError(f"{run} is not a finished run: its metrics.csv must end at its checkpoint's step "
+                         f"({ckpt['step']}) with the final validation")
+    sessions = sorted(ckpt.get("sessions", []), key=lambda s: s["from_step"])
+    weights = weights_fingerprint(ckpt["model"])
+    out = []
+    for r in rows:
+        logged_by = [s for s in sessions if s["from_step"] < int(r["step"])]
+        if not logged_by:
+            raise ValueError(f"{run / 'ckpt.pt'} does not record where step {r['step']} was trained (written by "
+                             "a trainer that did not record it): train the run again")
+        prov = {k: v for k, v in logged_by[-1].items() if k != "from_step"}
+        out.append({**r, "run": label or str(run), "weights": weights, **prov})
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fractus.records",
+                                 description="Write a finished training run's metrics.csv as a results CSV: "
+                                             "each row with the run's label, its weights' fingerprint and the "
+                                             "provenance of the process that trained that step.")
+    ap.add_argument("run", help="the trainer's --out folder (ckpt.pt, metrics.csv)")
+    ap.add_argument("--out", required=True, help="the CSV to write")
+    ap.add_argument("--label", help="the run column (default: RUN)")
+    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
+    a = ap.parse_args(argv)
+    try:
+        if Path(a.out).is_dir():
+            raise ValueError(f"--out {a.out} is a directory; give a file")
+        if Path(a.out).exists() and not a.force:
+            raise ValueError(f"refusing to write {a.out}: the file exists (--force replaces it)")
+        rows = run_rows(a.run, a.label)
+        _write_rows(a.out, rows)
+    except (ValueError, OSError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"{a.out}: {len(rows)} rows of {a.run} (weights {rows[0]['weights']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,10 +4,12 @@ The training split is cut into B contiguous streams; each micro-step reads the n
 chunk of every stream and carries the attention state (S, z), detached, across chunks. An
 optimizer step accumulates ``--accum`` micro-steps. Validation reports cross-entropy in
 nats/token, bits per byte and perplexity on the held-out split. Checkpoints hold model,
-optimizer, scheduler, data position, every process's carried state and RNG, and are written
-atomically; ``--resume`` continues exactly. ``--grow-from CKPT`` starts from a checkpoint grown to the
-preset (:mod:`fractus.grow`: same logits) with a fresh optimizer. SIGINT/SIGTERM save, then exit with
-code 128 + the signal's number (130, 143); ``--stop-after`` saves and exits with 0.
+optimizer, scheduler, data position, every process's carried state and RNG, and the provenance
+of each training process from the step it started at (``sessions``: :mod:`fractus.records` writes
+a finished run's metrics with it), and are written atomically; ``--resume`` continues exactly.
+``--grow-from CKPT`` starts from a checkpoint grown to the preset (:mod:`fractus.grow`: same
+logits) with a fresh optimizer. SIGINT/SIGTERM save, then exit with code 128 + the signal's number
+(130, 143); ``--stop-after`` saves and exits with 0.
 Several processes:
 ``torchrun --nproc_per_node=N -m fractus.train …`` (DDP; gloo on CPU, NCCL on CUDA; gradients are
 all-reduced once per optimizer step, on its last micro-step).
@@ -36,6 +38,7 @@ from fractus.data import TokenStreams, load_meta, load_tokens
 from fractus.grow import grow
 from fractus.kernels.backend import BACKENDS, check_available
 from fractus.model import PRESETS, FractusConfig, FractusCTE
+from fractus.records import provenance
 from fractus.sample import PROMPTS, sample_text
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 
@@ -417,7 +420,7 @@ def train(argv=None) -> dict:
     model = model.to(device)
     opt = make_optimizer(model, args.optimizer, lr, args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, total_steps, args.min_lr_ratio))
-    step, state, elapsed, nan_run, skipped = 0, None, 0.0, 0, 0
+    step, state, elapsed, nan_run, skipped, sessions = 0, None, 0.0, 0, 0, []
     if args.resume:
         if not ckpt_path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
@@ -444,6 +447,7 @@ def train(argv=None) -> dict:
         state = FractusCTE.detach_state(ck["states"][rank], device)
         nan_run, skipped, ancestor = ck["counters"]["nan_run"], ck["counters"]["skipped"], ck["ancestor"]
         set_rng_state(ck["rng"])
+        sessions = [sess for sess in ck.get("sessions", []) if sess["from_step"] < step]
         if master:
             truncate_metrics(metrics_path, step)
             print(f"resumed from {ckpt_path} at step {step} ({step * tokens_per_step:,} tokens)")
@@ -452,6 +456,10 @@ def train(argv=None) -> dict:
     elif master and metrics_path.exists():
         raise FileExistsError(f"{metrics_path} exists (a run that wrote no checkpoint): choose another --out "
                               f"or remove it")
+
+    # where and with what this process trains, from which step on: fractus.records gives each
+    # row of metrics.csv the provenance of the process that logged it
+    sessions.append({"from_step": step, **provenance(device)})
 
     net = model
     if world > 1:
@@ -473,7 +481,7 @@ def train(argv=None) -> dict:
                 "scheduler": sched.state_dict(), "step": step, "data_position": streams.position,
                 "states": states, "rng": rng_state(), "elapsed_s": elapsed,
                 "counters": {"nan_run": nan_run, "skipped": skipped}, "ancestor": ancestor,
-                "args": vars(args), "world": world,
+                "args": vars(args), "world": world, "sessions": sessions,
                 "meta": data_identity(meta)})
         if world > 1:  # none leaves before the file is written: torchrun stops the rest once one exits non-zero
             dist.barrier()

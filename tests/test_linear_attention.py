@@ -3,9 +3,12 @@ and every gradient; split-and-resume; decode steps; fp16 by the low-precision ru
 state beyond fp16's range; a decay that requires grad refused off the reference path."""
 import pytest
 import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from fractus.kernels import linear_attention as la
-from fractus.kernels.linear_attention import linear_attention, linear_attention_reference
+from fractus.kernels.linear_attention import _round_mantissa, linear_attention, linear_attention_reference
 from fractus.model import level_omegas
 from util import Launches, assert_lowp, assert_rel
 
@@ -16,23 +19,30 @@ FP32_TOL = 1e-5  # fp32 paths vs the fp64 truth (measured errors are below 1e-6)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make(B, T, H, D, decay, state, dtype=torch.float32, levels=2):
+def make(B, T, H, D, decay, state, dtype=torch.float32, levels=2, history=0, v_mean=0.0):
     """Leaf inputs drawn in dtype and held in fp64 (the truth then sees exactly the rounded
-    values the tested path sees): q, k, v, level_weights, decay, state."""
+    values the tested path sees): q, k, v, level_weights, decay, state. With ``history``, the
+    state is the one that many earlier tokens leave without decay (fp32 values), v of those and of
+    the call drawn around ``v_mean``."""
     def r(x):
         return x.to(dtype).double()
-    q, k, v = (r(torch.randn(B, T, H, D)) for _ in range(3))
+    q, k, v = r(torch.randn(B, T, H, D)), r(torch.randn(B, T, H, D)), r(v_mean + torch.randn(B, T, H, D))
     w = r(torch.softmax(torch.randn(levels), 0))
     g = r(torch.rand(H) * 0.3 + 0.65) if decay else None
     st = None
-    if state:
+    if history:
+        kh, vh = r(torch.randn(B, history, H, D)), r(v_mean + torch.randn(B, history, H, D))
+        fk = torch.stack([F.elu(kh + om) + 1 for om in level_omegas(levels)], 1)  # [B, Lv, N, H, D]
+        st = tuple(x.float().double() for x in (torch.einsum("blnhd,bnhe->blhde", fk, vh), fk.sum(2)))
+    elif state:
         st = (r(torch.randn(B, levels, H, D, D) * 0.5), r(torch.rand(B, levels, H, D) * 2 + 1))
     return q, k, v, w, g, st
 
 
-def run(inputs, dtype, grad=True, state_loss=True, **kw):
-    """Call linear_attention on copies cast to dtype; returns (o, S, z) + grads of
-    (q, k, v, w, S0, z0) for a fixed random loss on every output (on o only without state_loss)."""
+def run(inputs, dtype, grad=True, state_loss=True, bf16_autocast=False, **kw):
+    """Call linear_attention on copies cast to dtype (the forward under bf16 autocast if asked, the
+    backward outside it, as training does); returns (o, S, z) + grads of (q, k, v, w, S0, z0) for a
+    fixed random loss on every output (on o only without state_loss)."""
     q, k, v, w, g, st = inputs
     sdt = torch.float64 if dtype == torch.float64 else torch.float32  # state and level weights
     leaves = [x.detach().to(dtype).requires_grad_(grad) for x in (q, k, v)]
@@ -42,7 +52,8 @@ def run(inputs, dtype, grad=True, state_loss=True, **kw):
     state = tuple(leaves[4:]) if st is not None else None
     g = None if g is None else g.to(sdt)
     omegas = level_omegas(w.numel())
-    o, (S, z) = linear_attention(*leaves[:4], omegas, decay=g, state=state, **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+        o, (S, z) = linear_attention(*leaves[:4], omegas, decay=g, state=state, **kw)
     outs = [o, S, z]
     if grad:
         gen = torch.Generator().manual_seed(1)
@@ -255,6 +266,47 @@ def test_fp16_large_state_decode(decode_launches):
     """The decode kernel with the same state (it keeps every state quantity in fp32)."""
     _assert_fp16(large_state(make(2, 5, 2, 32, False, True, dtype=torch.float16)), False, "triton")
     assert decode_launches.count == 1
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, N, DROP: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, _round_mantissa(tl.load(x_ptr + i, mask=i < N), DROP), mask=i < N)
+
+
+def test_round_mantissa_gives_the_dot_operands_values():
+    """The state dots' operand rounding: to the nearest bf16 (DROP 16: torch's own rounding, ties
+    aside) and tf32 (DROP 13) value, kept in fp32, at every scale and sign."""
+    x = torch.randn(4000, dtype=torch.float64).mul(torch.logspace(-30, 30, 4000, dtype=torch.float64)).float()
+    bits = x.view(torch.int32)
+    for drop, mantissa in ((16, 7), (13, 10)):
+        y = torch.full_like(x, float("nan"))
+        _round_kernel[(1,)](x, y, x.numel(), DROP=drop, BLOCK=4096)
+        assert (y.view(torch.int32) & ((1 << drop) - 1) == 0).all()  # representable
+        assert ((y - x).abs() <= x.abs() * 2.0 ** -(mantissa + 1)).all()  # and the nearest
+        if drop == 16:
+            tie = bits & 0xFFFF == 0x8000
+            assert torch.equal(y[~tie], x[~tie].bfloat16().float())
+
+
+LONG = dict(history=8192, v_mean=1.0)  # a state carried over 8,192 tokens, v around a mean of its spread
+
+
+def test_long_carried_state_under_bf16_autocast():
+    """Training's setting on the PyTorch path (bf16 autocast, no decay, a long carried state, v with
+    a mean): S ≈ z·v̄ᵀ grows with the tokens seen while dq = (S·dO − (dO·y)·z)/den stays the size of
+    v's spread, so the product with the state must stay fp32 (in bf16, dq's error was 0.8)."""
+    inputs = make(1, 64, 2, 64, False, False, **LONG)
+    truth = run(inputs, torch.float64, backend="reference")
+    got = run(inputs, torch.float32, bf16_autocast=True, backend="torch")
+    for name, x, ref in zip(NAMES, got, truth):
+        assert_rel(x.double(), ref, 1e-2, name)
+
+
+def test_fp16_long_carried_state():
+    """The Triton kernels with the same state in fp16, by the low-precision rule (the interpreter
+    multiplies exactly: the state dots' precision on the GPU is checked by their launch settings)."""
+    _assert_fp16(make(1, 70, 2, 64, False, False, dtype=torch.float16, **LONG), True, "triton")
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])

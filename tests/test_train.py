@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import fractus.train as train_mod
-from fractus.checkpoint import load_checkpoint, save_checkpoint
+from fractus import records
+from fractus.checkpoint import load_checkpoint, save_checkpoint, weights_fingerprint
 from fractus.data import TokenStreams, load_tokens, prepare, write_toy_corpus
 from fractus.data import main as data_main
 from fractus.evaluate import main as evaluate_main
@@ -633,6 +634,50 @@ def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         evaluate_main([str(out / "ckpt.pt"), "--data", str(other)])
     assert e.value.code == 2 and "vocab_size 512, the data" in capsys.readouterr().err
+
+
+def test_records_gives_each_metrics_row_the_process_that_trained_it(data, tmp_path, monkeypatch):
+    """A run stopped and resumed: each row gets its own process's provenance (the checkpoint's
+    sessions), every row the final weights' fingerprint; unfinished or unrecorded runs are refused."""
+    processes = iter(range(10))
+    monkeypatch.setattr(train_mod, "provenance", lambda device: {"git_sha": "s", "date": f"process {next(processes)}"})
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", "--stop-after", "3", tokens=8 * 32))
+    with pytest.raises(ValueError, match="not a finished run"):
+        records.run_rows(out)
+    train(cli(data, out, "--eval-every", "0", "--resume", tokens=8 * 32))
+    rows = records.run_rows(out, "label")
+    assert [r["date"] for r in rows] == ["process 0"] * 3 + ["process 1"] * 5
+    ck = load_checkpoint(out / "ckpt.pt")
+    assert {(r["run"], r["weights"]) for r in rows} == {("label", weights_fingerprint(ck["model"]))}
+    assert [{k: r[k] for k in SAME} for r in rows] == metrics(out)
+    train(cli(data, out, "--eval-every", "0", "--resume", "--stop-after", "2", tokens=8 * 32))
+    assert [s["date"] for s in load_checkpoint(out / "ckpt.pt")["sessions"]] == ["process 0", "process 1", "process 2"]
+    ck.pop("sessions")
+    save_checkpoint(out / "ckpt.pt", ck)
+    with pytest.raises(ValueError, match="does not record where step 1 was trained"):
+        records.run_rows(out)
+
+
+def test_records_cli(data, tmp_path, capsys):
+    out, table = tmp_path / "run", tmp_path / "metrics.csv"
+    train(cli(data, out, "--eval-every", "0", tokens=4 * 32))
+    records.main([str(out), "--out", str(table)])
+    assert "4 rows" in capsys.readouterr().out
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == [*train_mod.METRIC_FIELDS, "run", "weights", *records.provenance()]
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4"] and rows[0]["run"] == str(out)
+    assert rows[0]["git_sha"] == records.git_sha() and rows[-1]["val_ce"] == metrics(out)[-1]["val_ce"]
+    for argv, message in (([str(out), "--out", str(table)], "exists (--force replaces it)"),
+                          ([str(out), "--out", str(tmp_path)], "is a directory"),
+                          ([str(tmp_path / "none"), "--out", str(tmp_path / "x.csv")], "does not exist")):
+        with pytest.raises(SystemExit) as e:
+            records.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    records.main([str(out), "--out", str(table), "--label", "again", "--force"])
+    with open(table, newline="") as f:
+        assert {r["run"] for r in csv.DictReader(f)} == {"again"}
 
 
 def test_sample_cli(data, tmp_path, capsys):

@@ -35,18 +35,26 @@ GPU_TS = (512, 2048, 8192)  # sequence lengths the GPU suite times (B=8, 40 leve
 
 
 def make_inputs(B, T, H, D, levels=2, decay=False, state=False, dtype=torch.float32,
-                device="cpu", grad=True, seed=0):
+                device="cpu", grad=True, seed=0, history=0, v_mean=0.0):
     """q, k, v [B, T, H, D] in dtype, level weights [Lv], decay [H] or None, state or None;
-    the floating leaves require grad when grad=True (state and weights in fp32)."""
+    the floating leaves require grad when grad=True (state and weights in fp32). With ``history``
+    the state is the one that many earlier tokens leave without decay (training's carried state),
+    v of those and of the call drawn around ``v_mean``."""
     gen = torch.Generator().manual_seed(seed)
 
     def leaf(x, dt=dtype):
         return x.to(device=device, dtype=dt).requires_grad_(grad)
-    q, k, v = (leaf(torch.randn(B, T, H, D, generator=gen)) for _ in range(3))
+    q, k = (leaf(torch.randn(B, T, H, D, generator=gen)) for _ in range(2))
+    v = leaf(v_mean + torch.randn(B, T, H, D, generator=gen))
     w = leaf(torch.softmax(torch.randn(levels, generator=gen), 0), torch.float32)
     g = (torch.rand(H, generator=gen) * 0.3 + 0.65).to(device) if decay else None
     st = None
-    if state:
+    if history:
+        kh = torch.randn(B, history, H, D, generator=gen).to(dtype).double()
+        vh = (v_mean + torch.randn(B, history, H, D, generator=gen)).to(dtype).double()
+        fk = torch.stack([F.elu(kh + om) + 1 for om in level_omegas(levels)], 1)  # [B, Lv, N, H, D]
+        st = (leaf(torch.einsum("blnhd,bnhe->blhde", fk, vh), torch.float32), leaf(fk.sum(2), torch.float32))
+    elif state:
         st = (leaf(0.5 * torch.randn(B, levels, H, D, D, generator=gen), torch.float32),
               leaf(torch.rand(B, levels, H, D, generator=gen) * 2 + 1, torch.float32))
     return q, k, v, w, g, st
@@ -308,8 +316,8 @@ def _outputs(backend, inputs, dtype, grad):
     leaves += [w.detach().to(sdt).requires_grad_(grad)]
     leaves += [x.detach().to(sdt).requires_grad_(grad) for x in st]
     with torch.set_grad_enabled(grad):
-        o, (S, z) = linear_attention(*leaves[:4], level_omegas(w.numel()), g.to(sdt), tuple(leaves[4:]),
-                                     backend=backend)
+        o, (S, z) = linear_attention(*leaves[:4], level_omegas(w.numel()), None if g is None else g.to(sdt),
+                                     tuple(leaves[4:]), backend=backend)
     outs = [o, S, z]
     if grad:
         gen = torch.Generator().manual_seed(1)
@@ -321,23 +329,31 @@ def _outputs(backend, inputs, dtype, grad):
 
 def correctness_rows(device, smoke: bool = False) -> list[dict]:
     """Triton (chunked with gradients, and the decode kernel) vs the reference run in fp64 on the
-    same rounded inputs. fp32: rel_err < 1e-4. Low precision (bf16 on CUDA, fp16 on CPU whose
+    same rounded inputs, with decay and a random state, and without decay after a long history
+    with v around a mean (training's carried state, where dq cancels: see the kernels' note on the
+    state dots). fp32: rel_err < 1e-4. Low precision (bf16 on CUDA, fp16 on CPU whose
     interpreter has no correct bf16): rel_err ≤ that of the PyTorch path in the same dtype +
     margin (dw, a sum of B·T·H·D mostly cancelling terms, gets 3× the margin). Recorded, never raised."""
     device = torch.device(device)
     lowp = common.low_precision(device)
+    random_state, carried = dict(decay=True, state=True), dict(history=1024 if smoke else 16384, v_mean=1.0)
     if smoke:
-        cases = [("chunked", dict(B=2, T=40, H=2, D=48), True), ("decode", dict(B=2, T=1, H=2, D=32), False)]
+        cases = [("chunked", dict(B=2, T=40, H=2, D=48, **random_state), True),
+                 ("chunked", dict(B=1, T=40, H=2, D=32, **carried), True),
+                 ("decode", dict(B=2, T=1, H=2, D=32, **random_state), False)]
     else:
-        cases = [("chunked", dict(B=2, T=300, H=3, D=48), True), ("chunked", dict(B=2, T=200, H=2, D=64), True),
-                 ("decode", dict(B=2, T=1, H=3, D=64), False), ("decode", dict(B=2, T=7, H=3, D=48), False)]
+        cases = [("chunked", dict(B=2, T=300, H=3, D=48, **random_state), True),
+                 ("chunked", dict(B=2, T=200, H=2, D=64, **random_state), True),
+                 ("chunked", dict(B=2, T=200, H=2, D=64, **carried), True),
+                 ("decode", dict(B=2, T=1, H=3, D=64, **random_state), False),
+                 ("decode", dict(B=2, T=7, H=3, D=48, **random_state), False)]
     rows = []
     for kind, shape, grad in cases:
         for dtype in (torch.float32, lowp):
-            kernel = f"linear_attention[{kind} T={shape['T']} D={shape['D']}]"
+            after = f" after {shape['history']} tokens" if "history" in shape else ""
+            kernel = f"linear_attention[{kind} T={shape['T']} D={shape['D']}{after}]"
             try:
-                inputs = make_inputs(**shape, levels=2, decay=True, state=True, dtype=dtype,
-                                     device=device, grad=False)
+                inputs = make_inputs(**shape, levels=2, dtype=dtype, device=device, grad=False)
                 got = _outputs("triton", inputs, dtype, grad)
                 truth = _outputs("reference", inputs, torch.float64, grad)
                 same = _outputs("torch", inputs, dtype, grad) if dtype != torch.float32 else None

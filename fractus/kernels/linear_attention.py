@@ -125,14 +125,16 @@ def _chunks(fq, fk, ve, S, lg, C):
     for d in delta.unbind(2):
         starts.append(S)
         S = S + d if gC is None else gC * S + d
-    y = qw @ torch.stack(starts, 2) + A @ v
+    with torch.autocast(fq.device.type, enabled=False):  # fp32: see the note on the Triton state dots
+        inter = qw @ torch.stack(starts, 2)
+    y = inter + A @ v
     return y.reshape(B, N, TT, E), S
 
 
 def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
     """Chunked forward in fp32 with plain autograd; cost linear in T, no [B, T, D, D] tensor.
-    Under autocast the matmuls take its dtype (as the Triton kernels' dots take the inputs');
-    the state is still summed in fp32."""
+    Under autocast the matmuls within a chunk take its dtype (as the Triton kernels' dots take the
+    inputs'); the state is summed, and multiplied with the queries, in fp32."""
     B, T, H, D = q.shape
     Lv = len(omegas)
     N = Lv * H
@@ -172,8 +174,23 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
 # that meet the state S, its gradient dS, g = dO·w/den or dA: S and den grow with the tokens seen
 # (γ = 1) past fp16's 65504, and g, dA and dS (sums of g) shrink below its smallest normal, 6e-5.
 # bf16 has fp32's range and keeps DT.
+# The products with the carried state itself, f(q)·S_c (the output) and g·S_cᵀ (dq), need more:
+# with γ = 1, S ≈ z·v̄ᵀ grows with the N tokens seen, while dq = (S·g − (g·y)·z) is the size of v's
+# spread σ around its mean v̄: its two terms cancel. S rounded to bf16 (or tf32) costs dq a relative
+# error of about 2⁻⁹·√N·|v̄|/σ (0.5–0.8 at N = 8192, v̄ = σ: the PyTorch path under bf16 autocast
+# measured so before it kept this product in fp32). So in low precision (SDROP > 0) S is split into
+# two dot operands, hi = S rounded and lo = S − hi (together S to ~2⁻¹⁷), and the other operand is
+# rounded once (:func:`_round_mantissa`) and used as rounded in both cancelling terms: f(q) in the
+# numerator and the denominator, g in g·Sᵀ and in gz = −g·y; dq is then the derivative at that
+# rounded g. (Plain fp32 operands at "tf32x3" would do too, but spill 300 B of registers in bf16.)
 
 _DECODE_MAX_T = 16
+
+
+def _state_split(x: torch.Tensor) -> int:
+    """SDROP: mantissa bits the state dots' operands drop for inputs like x (bf16: 16; fp16, whose
+    state dots run in tf32: 13), 0 for fp32 (IEEE dots, nothing split or rounded)."""
+    return {torch.float32: 0, torch.bfloat16: 16, torch.float16: 13}[x.dtype]
 
 
 def _configs():
@@ -187,6 +204,25 @@ def _configs():
 # of time for sm_90 (python -m fractus.bench aot), 4 warps spill registers in bf16 and fp32 and
 # 8 warps do not in bf16 (backward chunks of 32), so they launch with 8 warps and no autotuning.
 _PARALLEL_WARPS = 8
+
+
+@triton.jit
+def _round_mantissa(x, DROP: tl.constexpr):
+    """fp32 x rounded to nearest (ties away from 0) at 23 − DROP mantissa bits, kept in fp32: the
+    exact value a bf16 (DROP 16) or tf32 (DROP 13) dot operand holds."""
+    b = x.to(tl.uint32, bitcast=True) + (1 << (DROP - 1))
+    return ((b >> DROP) << DROP).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _state_dot(a, S, SDT: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr):
+    """a [BT, BD] (fp32, already rounded by :func:`_round_mantissa` when SDROP > 0) · S [BD, BD]
+    fp32, with S split into hi + lo operands in low precision (see the note on the state dots)."""
+    if SDROP > 0:
+        hi = _round_mantissa(S, SDROP)
+        return (tl.dot(a.to(SDT), hi.to(SDT), input_precision=PREC)
+                + tl.dot(a.to(SDT), (S - hi).to(SDT), input_precision=PREC))
+    return tl.dot(a, S, input_precision=PREC)
 
 
 @triton.jit
@@ -296,7 +332,8 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_pt
 @triton.jit
 def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_ptr, y_ptr, den_ptr,
                    B, T, H, D, NC, eps, LV: tl.constexpr,
-                   STORE_Y: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                   STORE_Y: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr, BT: tl.constexpr,
+                   BD: tl.constexpr):
     """One (chunk, b, h) over all levels: num = (γ^{i+1} f(q)) S_c + (f(q) f(k)ᵀ ∘ M) v, den the
     same with z_c and a ones column (M_ts = γ^{t−s}, t ≥ s); o = Σ_l w_l num/(den + eps).
     With STORE_Y, per-level y [Lv, B, T, H, D] and den [B, Lv, H, T] (fp32) are kept for backward."""
@@ -316,8 +353,10 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
         S = tl.load(hs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
         z = tl.load(zs_ptr + hoff * D + rd, mask=dmask, other=0.0)
         qd = fq * gq[:, None]
+        if SDROP > 0:  # the query the state dot sees, in the denominator too
+            qd = _round_mantissa(qd, SDROP)
         A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
-        num = tl.dot(qd.to(SDT), S.to(SDT), input_precision=PREC)
+        num = _state_dot(qd, S, SDT, PREC, SDROP)
         num += tl.dot(A.to(DT), vx, input_precision=PREC)
         den = tl.sum(qd * z[None, :], 1) + tl.sum(A, 1)
         y = num / (tl.where(tmask, den, 1.0) + eps)[:, None]  # padding rows: 0, not 0/0 when eps = 0
@@ -383,7 +422,7 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
 def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr,
                          hs_ptr, zs_ptr, dhs_ptr, dzs_ptr, dq_ptr, dk_ptr, dv_ptr, dwp_ptr,
                          B, T, H, D, NC, eps, LV: tl.constexpr,
-                         PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                         PREC: tl.constexpr, SDROP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """One (chunk, b, h) over all levels: dq, dk, dv (inter-chunk terms from S_c, z_c and the
     end-state grads dS, dz; intra-chunk terms through the decay mask), summed over levels with
     the feature-map derivative; per-level Σ dO·y_l into dwp [B·H, NC, Lv] for the level weights."""
@@ -409,6 +448,9 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
         den = tl.load(den_ptr + n * T + t, mask=tmask, other=1.0)
         tl.store(dwp_ptr + (bh * NC + c) * LV + l, tl.sum(tl.sum(do * y, 1), 0))
         g, gz = _out_grads(do, y, den, tl.load(w_ptr + l).to(tl.float32), eps)
+        if SDROP > 0:  # g as the state dot sees it, and gz = −g·y from the same values
+            g = _round_mantissa(g, SDROP)
+            gz = -tl.sum(g * y, 1)
         S = tl.load(hs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
         z = tl.load(zs_ptr + hoff * D + rd, mask=dmask, other=0.0)
         dS = tl.load(dhs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
@@ -416,7 +458,7 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
         gd, vs, fqs, fks = g.to(SDT), vx.to(SDT), fq.to(SDT), fk.to(SDT)
         dA = (tl.dot(gd, tl.trans(vs), input_precision=PREC) + gz[:, None]) * M
         A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
-        dqf = tl.dot(gd, tl.trans(S).to(SDT), input_precision=PREC) + gz[:, None] * z[None, :]
+        dqf = _state_dot(g, tl.trans(S), SDT, PREC, SDROP) + gz[:, None] * z[None, :]
         dqf = dqf * gq[:, None] + tl.dot(dA.to(SDT), fks, input_precision=PREC)
         dkf = tl.dot(vs, tl.trans(dS).to(SDT), input_precision=PREC) + dz[None, :]
         dkf = dkf * gk[:, None] + tl.dot(tl.trans(dA).to(SDT), fqs, input_precision=PREC)
@@ -529,7 +571,8 @@ class _TritonLinearAttention(torch.autograd.Function):
         den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need else hs
         _la_out_kernel[(NC, B * H)](
             q, k, v, w, om, g, hs, zs, o, y, den, B, T, H, D, NC, eps,
-            LV=Lv, STORE_Y=need, PREC=_backend.dot_precision(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
+            LV=Lv, STORE_Y=need, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
+            num_warps=_PARALLEL_WARPS)
         if need:
             ctx.save_for_backward(q, k, v, w, S0, z0, om, g, y, den)
             ctx.eps = eps
@@ -567,7 +610,8 @@ class _TritonLinearAttention(torch.autograd.Function):
         dwp = _backend.empty(B * H, NC, Lv, dtype=torch.float32, device=dev)
         _la_bwd_grads_kernel[(NC, B * H)](
             q, k, v, do, y, den, w, om, g, hs, zs, dhs, dzs, dq, dk, dv, dwp, B, T, H, D, NC, eps,
-            LV=Lv, PREC=_backend.dot_precision(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
+            LV=Lv, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
+            num_warps=_PARALLEL_WARPS)
         dw = dwp.sum((0, 1)).to(w.dtype)
         if not dinit:
             ds0 = dz0 = None
