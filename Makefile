@@ -36,14 +36,16 @@ demo: setup $(DATA)/meta.json
 	$(BIN)/python -m fractus.train --preset palier0 --data $(DATA) --out $(RUN) --tokens $(TOKENS) $(STREAMS)
 
 # README's demo figures measured again: make demo's run and one with the trainer's default 8 streams × accum 8,
-# the first's metrics (results/demo_metrics.csv) and both checkpoints on both splits (results/demo_eval.csv)
+# the first's metrics (results/demo_metrics.csv) and both checkpoints on both splits, the second's validation
+# also read as 1 and 170 streams (results/demo_eval.csv; each evaluation is checkpoint:streams:split)
+DEMO_EVALS = $(RUN):32:val $(RUN):32:train $(RUN)8:8:val $(RUN)8:8:train $(RUN)8:1:val $(RUN)8:170:val
 demo-results: demo
 	$(MAKE) demo RUN=$(RUN)8 STREAMS="--batch-size 8 --accum 8"
 	$(BIN)/python -m fractus.records $(RUN) --out results/demo_metrics.csv --label "make demo ($(RUN))" --force
 	rm -f results/demo_eval.csv
-	for run in $(RUN):32 $(RUN)8:8; do for split in val train; do \
-	  $(BIN)/python -m fractus.evaluate $${run%:*}/ckpt.pt --data $(DATA) --split $$split --streams $${run#*:} \
-	    --csv results/demo_eval.csv || exit 1; done; done
+	for e in $(DEMO_EVALS); do set -- $$(echo $$e | tr : ' '); \
+	  $(BIN)/python -m fractus.evaluate $$1/ckpt.pt --data $(DATA) --streams $$2 --split $$3 \
+	    --csv results/demo_eval.csv || exit 1; done
 
 test: setup
 	FRACTUS_SMOKE=1 $(BIN)/python -m pytest -q tests notebooks --nbval-lax

@@ -151,20 +151,23 @@ def run_rows(run: str | Path, label: str | None = None) -> list[dict]:
     """A finished training run's ``metrics.csv`` rows (``run``: the trainer's ``--out``), each with
     ``run`` (``label``, by default the folder), ``weights`` (the fingerprint of the checkpoint's
     weights) and the provenance of the training process that logged its step (the checkpoint's
-    ``sessions``). ValueError unless metrics.csv ends at the checkpoint's step with the final
-    validation, and the checkpoint records the process of every step."""
-    from fractus.train import read_metrics
+    ``sessions``; the last row's final validation: the last process's, which may only have validated
+    a finished run again). ValueError unless the run reached its planned steps, metrics.csv ends
+    there with the final validation, and the checkpoint records the process of every step."""
+    from fractus.train import planned_steps, read_metrics
     run = Path(run)
     ckpt = load_checkpoint(run / "ckpt.pt")
     rows = read_metrics(run / "metrics.csv")
-    if not rows or int(rows[-1]["step"]) != ckpt["step"] or not rows[-1]["val_ce"]:
-        raise ValueError(f"{run} is not a finished run: its metrics.csv must end at its checkpoint's step "
-                         f"({ckpt['step']}) with the final validation")
+    total = planned_steps(ckpt["args"], ckpt.get("world", 1))
+    if ckpt["step"] != total or not rows or int(rows[-1]["step"]) != total or not rows[-1]["val_ce"]:
+        raise ValueError(f"{run} is not a finished run: its checkpoint is at step {ckpt['step']} of {total}, and "
+                         "its metrics.csv must end there with the final validation")
     sessions = sorted(ckpt.get("sessions", []), key=lambda s: s["from_step"])
     weights = weights_fingerprint(ckpt["model"])
     out = []
     for r in rows:
-        logged_by = [s for s in sessions if s["from_step"] < int(r["step"])]
+        step = int(r["step"])
+        logged_by = [s for s in sessions if s["from_step"] < step or s["from_step"] == step == total]
         if not logged_by:
             raise ValueError(f"{run / 'ckpt.pt'} does not record where step {r['step']} was trained (written by "
                              "a trainer that did not record it): train the run again")

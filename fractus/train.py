@@ -5,8 +5,9 @@ chunk of every stream and carries the attention state (S, z), detached, across c
 optimizer step accumulates ``--accum`` micro-steps. Validation reports cross-entropy in
 nats/token, bits per byte and perplexity on the held-out split. Checkpoints hold model,
 optimizer, scheduler, data position, every process's carried state and RNG, and the provenance
-of each training process from the step it started at (``sessions``: :mod:`fractus.records` writes
-a finished run's metrics with it), and are written atomically; ``--resume`` continues exactly.
+of each training session (rank 0's process) from the step it started at (``sessions``:
+:mod:`fractus.records` writes a finished run's metrics with it), and are written atomically;
+``--resume`` continues exactly.
 ``--grow-from CKPT`` starts from a checkpoint grown to the preset (:mod:`fractus.grow`: same
 logits) with a fresh optimizer. SIGINT/SIGTERM save, then exit with code 128 + the signal's number
 (130, 143); ``--stop-after`` saves and exits with 0.
@@ -385,6 +386,12 @@ def set_active_blocks(model: FractusCTE, k: int, seed: int, step: int) -> list[i
     return active
 
 
+def planned_steps(args: dict, world: int) -> int:
+    """Optimizer steps of a run with the flags ``args`` (as ``vars`` of the parsed CLI, which a
+    checkpoint records) on ``world`` processes."""
+    return max(1, math.ceil(args["tokens"] / (world * args["batch_size"] * args["chunk_len"] * args["accum"])))
+
+
 def train(argv=None) -> dict:
     """Run the CLI; returns the final metrics. Raises :class:`Interrupted` after a SIGINT/SIGTERM stop
     (checkpoint saved; ``main`` exits with 128 + the signal's number)."""
@@ -410,7 +417,7 @@ def train(argv=None) -> dict:
     settings = run_settings(vars(args))
     bf16, lr = settings["bf16"], settings["lr"]
     tokens_per_step = world * args.batch_size * args.chunk_len * args.accum
-    total_steps = max(1, math.ceil(args.tokens / tokens_per_step))
+    total_steps = planned_steps(vars(args), world)
     if args.active_blocks and (args.active_blocks > cfg.n_layers or world > 1):
         raise ValueError("--active-blocks must be ≤ n_layers, and is single-process only")
 
@@ -457,8 +464,8 @@ def train(argv=None) -> dict:
         raise FileExistsError(f"{metrics_path} exists (a run that wrote no checkpoint): choose another --out "
                               f"or remove it")
 
-    # where and with what this process trains, from which step on: fractus.records gives each
-    # row of metrics.csv the provenance of the process that logged it
+    # where and with what this run trains (rank 0's process under DDP), from which step on:
+    # fractus.records gives each row of metrics.csv the provenance of the process that logged it
     sessions.append({"from_step": step, **provenance(device)})
 
     net = model

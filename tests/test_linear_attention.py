@@ -276,17 +276,23 @@ def _round_kernel(x_ptr, y_ptr, N, DROP: tl.constexpr, BLOCK: tl.constexpr):
 
 def test_round_mantissa_gives_the_dot_operands_values():
     """The state dots' operand rounding: to the nearest bf16 (DROP 16: torch's own rounding, ties
-    aside) and tf32 (DROP 13) value, kept in fp32, at every scale and sign."""
+    aside) and tf32 (DROP 13) value, kept in fp32, at every scale and sign, subnormals included;
+    zeros and infinities kept, NaN kept NaN whatever its bits (CUDA's own NaN is 0x7FFFFFFF)."""
     x = torch.randn(4000, dtype=torch.float64).mul(torch.logspace(-30, 30, 4000, dtype=torch.float64)).float()
-    bits = x.view(torch.int32)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, -3e-39])
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000], dtype=torch.int32).view(torch.float32)
+    x = torch.cat([x, special, nans])
+    bits, finite = x.view(torch.int32), x.isfinite()
+    normal = finite & (x.abs() >= torch.finfo(torch.float32).tiny)
     for drop, mantissa in ((16, 7), (13, 10)):
-        y = torch.full_like(x, float("nan"))
+        y = torch.full_like(x, 1.0)
         _round_kernel[(1,)](x, y, x.numel(), DROP=drop, BLOCK=4096)
-        assert (y.view(torch.int32) & ((1 << drop) - 1) == 0).all()  # representable
-        assert ((y - x).abs() <= x.abs() * 2.0 ** -(mantissa + 1)).all()  # and the nearest
+        assert y[-4:].isnan().all() and torch.equal(y[-10:-6], special[:4])
+        assert (y[finite].view(torch.int32) & ((1 << drop) - 1) == 0).all()  # representable
+        assert ((y - x)[normal].abs() <= x[normal].abs() * 2.0 ** -(mantissa + 1)).all()  # and the nearest
         if drop == 16:
             tie = bits & 0xFFFF == 0x8000
-            assert torch.equal(y[~tie], x[~tie].bfloat16().float())
+            assert torch.equal(y[finite & ~tie], x[finite & ~tie].bfloat16().float())
 
 
 LONG = dict(history=8192, v_mean=1.0)  # a state carried over 8,192 tokens, v around a mean of its spread

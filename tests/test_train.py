@@ -638,21 +638,24 @@ def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
 
 def test_records_gives_each_metrics_row_the_process_that_trained_it(data, tmp_path, monkeypatch):
     """A run stopped and resumed: each row gets its own process's provenance (the checkpoint's
-    sessions), every row the final weights' fingerprint; unfinished or unrecorded runs are refused."""
+    sessions), every row the final weights' fingerprint; a run stopped where it validated, and an
+    unrecorded run, are refused; a finished run validated again gets that process on its last row."""
     processes = iter(range(10))
     monkeypatch.setattr(train_mod, "provenance", lambda device: {"git_sha": "s", "date": f"process {next(processes)}"})
     out = tmp_path / "run"
-    train(cli(data, out, "--eval-every", "0", "--stop-after", "3", tokens=8 * 32))
-    with pytest.raises(ValueError, match="not a finished run"):
+    train(cli(data, out, "--eval-every", "3", "--stop-after", "3", tokens=8 * 32))
+    assert metrics(out)[-1]["val_ce"]  # validated at its last row, yet not finished
+    with pytest.raises(ValueError, match="at step 3 of 8"):
         records.run_rows(out)
-    train(cli(data, out, "--eval-every", "0", "--resume", tokens=8 * 32))
+    train(cli(data, out, "--eval-every", "3", "--resume", tokens=8 * 32))
     rows = records.run_rows(out, "label")
     assert [r["date"] for r in rows] == ["process 0"] * 3 + ["process 1"] * 5
     ck = load_checkpoint(out / "ckpt.pt")
     assert {(r["run"], r["weights"]) for r in rows} == {("label", weights_fingerprint(ck["model"]))}
     assert [{k: r[k] for k in SAME} for r in rows] == metrics(out)
-    train(cli(data, out, "--eval-every", "0", "--resume", "--stop-after", "2", tokens=8 * 32))
+    train(cli(data, out, "--eval-every", "3", "--resume", tokens=8 * 32))  # finished: validates again
     assert [s["date"] for s in load_checkpoint(out / "ckpt.pt")["sessions"]] == ["process 0", "process 1", "process 2"]
+    assert [r["date"] for r in records.run_rows(out)] == ["process 0"] * 3 + ["process 1"] * 4 + ["process 2"]
     ck.pop("sessions")
     save_checkpoint(out / "ckpt.pt", ck)
     with pytest.raises(ValueError, match="does not record where step 1 was trained"):

@@ -209,9 +209,10 @@ _PARALLEL_WARPS = 8
 @triton.jit
 def _round_mantissa(x, DROP: tl.constexpr):
     """fp32 x rounded to nearest (ties away from 0) at 23 − DROP mantissa bits, kept in fp32: the
-    exact value a bf16 (DROP 16) or tf32 (DROP 13) dot operand holds."""
+    exact value a bf16 (DROP 16) or tf32 (DROP 13) dot operand holds; NaN stays NaN (its bits
+    would carry into the sign or the exponent)."""
     b = x.to(tl.uint32, bitcast=True) + (1 << (DROP - 1))
-    return ((b >> DROP) << DROP).to(tl.float32, bitcast=True)
+    return tl.where(x == x, ((b >> DROP) << DROP).to(tl.float32, bitcast=True), x)
 
 
 @triton.jit
