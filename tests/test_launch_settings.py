@@ -1,8 +1,9 @@
 """What the kernels are launched with, which the interpreter cannot check by running them: fp32
 inputs ask for IEEE dots (the interpreter ignores ``input_precision`` and multiplies with numpy; a
 GPU would round fp32 to TF32, about 1e-3 relative error), low-precision ones split the attention's
-carried state in its dots, and every autotune key names an argument
-(Triton skips a name it does not find, so a misspelt key would silently share one tuning)."""
+carried state in its dots, every autotune key names an argument
+(Triton skips a name it does not find, so a misspelt key would silently share one tuning), and the
+attention's grids stay within CUDA's limits (the interpreter has none)."""
 import pytest
 import torch
 import triton
@@ -58,3 +59,33 @@ def test_autotune_keys_name_arguments():
     assert len(tuners) >= 8
     for name, k in tuners.items():
         assert k.keys and set(k.keys) <= set(k.arg_names), (name, k.keys)
+
+
+class _Grids:
+    """Stands in for a Triton kernel: records each launch's grid and launches nothing."""
+
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args, **kwargs: None
+
+
+def test_attention_grids_fit_cuda_past_65535_heads(monkeypatch):
+    """B·H = 65,540 (the 1b model's 20 heads at B = 3,277): CUDA allows 2³¹ − 1 programs on grid
+    axis 0 and 65,535 on axes 1 and 2, so B·H must not be on axis 1 or 2. The states kernel runs
+again in the backward (it recomputes the chunk states)."""
+    grids = {}
+    for name in ("_la_states_kernel", "_la_out_kernel", "_la_bwd_states_kernel", "_la_bwd_grads_kernel"):
+        grids[name] = _Grids()
+        monkeypatch.setattr(linear_attention, name, grids[name])
+    B, T, H, D = 3277, 33, 20, 4
+    x = [torch.zeros(B, T, H, D, requires_grad=True) for _ in range(3)]
+    w = torch.ones(2, requires_grad=True)
+    o, _ = linear_attention.linear_attention(*x, w, (0.0, 0.5), backend="triton")
+    o.sum().backward()
+    fwd, bwd = B * H * triton.cdiv(T, 64), B * H * triton.cdiv(T, 32)
+    assert {name: g.grids for name, g in grids.items()} == {
+        "_la_states_kernel": [(B * 2 * H,)] * 2, "_la_out_kernel": [(fwd,)],
+        "_la_bwd_states_kernel": [(B * 2 * H,)], "_la_bwd_grads_kernel": [(bwd,)]}

@@ -262,12 +262,13 @@ def _load_state(s_ptr, z_ptr, n, D, BD: tl.constexpr, PRESENT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_index(T, H, D, BT: tl.constexpr, BD: tl.constexpr):
-    """Program (chunk c, b·H + h) of the parallel kernels: rt [BT], t = c·BT + rt and its mask,
-    the [BT, BD] mask m2, and the [BT, BD] offsets of the chunk in one [T, H, D] (row) and in
-    x [B, T, H, D] (off)."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+def _chunk_index(T, H, D, NC, BT: tl.constexpr, BD: tl.constexpr):
+    """Program (b·H + h)·NC + c of the parallel kernels' 1-D grid (one axis: CUDA caps the others
+    at 65,535, which B·H passes): chunk c, rt [BT], t = c·BT + rt and its mask, the [BT, BD] mask
+    m2, and the [BT, BD] offsets of the chunk in one [T, H, D] (row) and in x [B, T, H, D] (off)."""
+    pid = tl.program_id(0)
+    c = pid % NC
+    bh = (pid // NC).to(tl.int64)
     b = bh // H
     h = bh % H
     rt = tl.arange(0, BT)
@@ -340,7 +341,7 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
     With STORE_Y, per-level y [Lv, B, T, H, D] and den [B, Lv, H, T] (fp32) are kept for backward."""
     DT = v_ptr.dtype.element_ty
     SDT = tl.float32 if DT == tl.float16 else DT
-    c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, BT, BD)
+    c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, NC, BT, BD)
     rd, dmask, smask, soff = _state_index(D, BD)
     lg = tl.log(tl.load(g_ptr + h))
     qx, kx, vx = _load_qkv(q_ptr, k_ptr, v_ptr, off, m2)
@@ -429,7 +430,7 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
     the feature-map derivative; per-level Σ dO·y_l into dwp [B·H, NC, Lv] for the level weights."""
     DT = v_ptr.dtype.element_ty
     SDT = tl.float32 if DT == tl.float16 else DT
-    c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, BT, BD)
+    c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, NC, BT, BD)
     rd, dmask, smask, soff = _state_index(D, BD)
     lg = tl.log(tl.load(g_ptr + h))
     qx, kx, vx = _load_qkv(q_ptr, k_ptr, v_ptr, off, m2)
@@ -570,7 +571,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         o = _backend.empty(B, T, H, D, dtype=q.dtype, device=q.device)
         y = _backend.empty(Lv, B, T, H, D, dtype=torch.float32, device=q.device) if need else o
         den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need else hs
-        _la_out_kernel[(NC, B * H)](
+        _la_out_kernel[(NC * B * H,)](
             q, k, v, w, om, g, hs, zs, o, y, den, B, T, H, D, NC, eps,
             LV=Lv, STORE_Y=need, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
             num_warps=_PARALLEL_WARPS)
@@ -609,7 +610,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         dk = _backend.empty(B, T, H, D, dtype=k.dtype, device=dev)
         dv = _backend.empty(B, T, H, D, dtype=v.dtype, device=dev)
         dwp = _backend.empty(B * H, NC, Lv, dtype=torch.float32, device=dev)
-        _la_bwd_grads_kernel[(NC, B * H)](
+        _la_bwd_grads_kernel[(NC * B * H,)](
             q, k, v, do, y, den, w, om, g, hs, zs, dhs, dzs, dq, dk, dv, dwp, B, T, H, D, NC, eps,
             LV=Lv, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
             num_warps=_PARALLEL_WARPS)
