@@ -34,14 +34,16 @@ def test_fp32_launches_ieee_dots(monkeypatch, over):
     assert ("_lr_bwd_rows_kernel" if not over else "_gmm_kernel") in dots
     splits = {name: {kw["SDROP"] for kw in r.kwargs} for name, r in launches.items()
               if r.count and "SDROP" in r.kwargs[0]}
-    assert splits == {"_la_out_kernel": {0}, "_la_bwd_grads_kernel": {0}}, splits  # fp32: IEEE, nothing split
+    assert splits == {"_la_out_kernel": {0}, "_la_bwd_states_kernel": {0}, "_la_bwd_grads_kernel": {0}}, \
+        splits  # fp32: IEEE, nothing split or rounded
 
 
 def test_low_precision_splits_the_state_dots(monkeypatch):
     """fp16 inputs (state dots in tf32) and bf16: the dots with the carried state split it into
-    hi + lo operands at the dot's precision (see linear_attention's note on the state dots)."""
+    hi + lo operands at the dot's precision, and every fp32 operand of a tf32 dot is rounded to
+    nearest (see linear_attention's note on the state dots)."""
     launches = {}
-    for name in ("_la_out_kernel", "_la_bwd_grads_kernel"):
+    for name in ("_la_out_kernel", "_la_bwd_states_kernel", "_la_bwd_grads_kernel"):
         launches[name] = Launches(getattr(linear_attention, name))
         monkeypatch.setattr(linear_attention, name, launches[name])
     x = [torch.randn(1, 20, 2, 32, dtype=torch.float16, requires_grad=True) for _ in range(3)]
@@ -49,7 +51,7 @@ def test_low_precision_splits_the_state_dots(monkeypatch):
     o, _ = linear_attention.linear_attention(*x, w, (0.0,), backend="triton")
     o.float().sum().backward()
     assert {name: [kw["SDROP"] for kw in r.kwargs] for name, r in launches.items()} == {
-        "_la_out_kernel": [13], "_la_bwd_grads_kernel": [13]}
+        "_la_out_kernel": [13], "_la_bwd_states_kernel": [13], "_la_bwd_grads_kernel": [13]}
     assert linear_attention._state_split(torch.empty(0, dtype=torch.bfloat16)) == 16
 
 

@@ -181,8 +181,10 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
 # measured so before it kept this product in fp32). So in low precision (SDROP > 0) S is split into
 # two dot operands, hi = S rounded and lo = S − hi (together S to ~2⁻¹⁷), and the other operand is
 # rounded once (:func:`_round_mantissa`) and used as rounded in both cancelling terms: f(q) in the
-# numerator and the denominator, g in g·Sᵀ and in gz = −g·y; dq is then the derivative at that
-# rounded g. (Plain fp32 operands at "tf32x3" would do too, but spill 300 B of registers in bf16.)
+# numerator and the denominator, g in g·Sᵀ and in gz = −g·y (and in the reverse recurrence's dS and
+# dz); dq is then the derivative at that rounded g. (Plain fp32 operands at "tf32x3" would do too,
+# but spill 300 B of registers in bf16.) Every other fp32 operand of a tf32 dot is rounded to
+# nearest too (:func:`_operand`), as Hopper's tensor cores truncate it.
 
 _DECODE_MAX_T = 16
 
@@ -216,13 +218,23 @@ def _round_mantissa(x, DROP: tl.constexpr):
 
 
 @triton.jit
+def _operand(x, SDT: tl.constexpr, SDROP: tl.constexpr):
+    """fp32 x as an SDT dot operand, rounded to nearest. In a tf32 dot (fp16 inputs: SDT fp32,
+    SDROP 13) that takes :func:`_round_mantissa`: Hopper's tensor cores truncate a tf32 operand's
+    low 13 bits, a bias that made fp16 gradients 3x less accurate than PyTorch's fp16 ones."""
+    if SDROP == 13:
+        return _round_mantissa(x, SDROP)
+    return x.to(SDT)
+
+
+@triton.jit
 def _state_dot(a, S, SDT: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr):
     """a [BT, BD] (fp32, already rounded by :func:`_round_mantissa` when SDROP > 0) · S [BD, BD]
     fp32, with S split into hi + lo operands in low precision (see the note on the state dots)."""
     if SDROP > 0:
         hi = _round_mantissa(S, SDROP)
         return (tl.dot(a.to(SDT), hi.to(SDT), input_precision=PREC)
-                + tl.dot(a.to(SDT), (S - hi).to(SDT), input_precision=PREC))
+                + tl.dot(a.to(SDT), _operand(S - hi, SDT, SDROP), input_precision=PREC))
     return tl.dot(a, S, input_precision=PREC)
 
 
@@ -381,10 +393,11 @@ def _out_grads(do, y, den, wl, eps):
 def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, dsf_ptr, dzf_ptr,
                           dhs_ptr, dzs_ptr, ds0_ptr, dz0_ptr, B, T, H, D, NC, eps,
                           LV: tl.constexpr, HAS_DFINAL: tl.constexpr,
-                          STORE_DINIT: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr,
-                          BD: tl.constexpr):
+                          STORE_DINIT: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr,
+                          BT: tl.constexpr, BD: tl.constexpr):
     """Reverse recurrence for one folded head: stores the grad of each chunk's end state, then
-    dS ← γ^L·dS + (γ^{i+1} f(q))ᵀ g, dz ← γ^L·dz + (γ^{i+1} f(q))ᵀ gz; optional initial-state grad."""
+    dS ← γ^L·dS + (γ^{i+1} f(q))ᵀ g, dz ← γ^L·dz + (γ^{i+1} f(q))ᵀ gz; optional initial-state grad.
+    dz sums the dot operands' rounded values (see the note on the state dots)."""
     SDT = tl.float32 if q_ptr.dtype.element_ty == tl.float16 else q_ptr.dtype.element_ty
     n = tl.program_id(0).to(tl.int64)
     h = n % H
@@ -412,9 +425,12 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
         y = tl.load(y_ptr + l * B * T * H * D + off, mask=m2, other=0.0)
         den = tl.load(den_ptr + n * T + t, mask=tmask, other=1.0)  # padding rows: g = 0, not 0/0
         g, gz = _out_grads(do, y, den, wl, eps)
+        qd, g = _operand(qd, SDT, SDROP), _operand(g, SDT, SDROP)
+        if SDROP > 0:
+            gz = -tl.sum(g.to(tl.float32) * y, 1)
         gL = tl.exp(lg * tl.minimum(T - c * BT, BT).to(tl.float32))
-        dS = dS * gL + tl.dot(tl.trans(qd.to(SDT)), g.to(SDT), input_precision=PREC)
-        dz = dz * gL + tl.sum(qd * gz[:, None], 0)
+        dS = dS * gL + tl.dot(tl.trans(qd), g, input_precision=PREC)
+        dz = dz * gL + tl.sum(qd.to(tl.float32) * gz[:, None], 0)
     if STORE_DINIT:
         tl.store(ds0_ptr + n * D * D + soff, dS, mask=smask)
         tl.store(dz0_ptr + n * D + rd, dz, mask=dmask)
@@ -457,15 +473,16 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
         z = tl.load(zs_ptr + hoff * D + rd, mask=dmask, other=0.0)
         dS = tl.load(dhs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
         dz = tl.load(dzs_ptr + hoff * D + rd, mask=dmask, other=0.0)
-        gd, vs, fqs, fks = g.to(SDT), vx.to(SDT), fq.to(SDT), fk.to(SDT)
-        dA = (tl.dot(gd, tl.trans(vs), input_precision=PREC) + gz[:, None]) * M
+        gd, vs = g.to(SDT), vx.to(SDT)
+        fqs, fks, dSs = _operand(fq, SDT, SDROP), _operand(fk, SDT, SDROP), _operand(dS, SDT, SDROP)
+        dA = _operand((tl.dot(gd, tl.trans(vs), input_precision=PREC) + gz[:, None]) * M, SDT, SDROP)
         A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
         dqf = _state_dot(g, tl.trans(S), SDT, PREC, SDROP) + gz[:, None] * z[None, :]
-        dqf = dqf * gq[:, None] + tl.dot(dA.to(SDT), fks, input_precision=PREC)
-        dkf = tl.dot(vs, tl.trans(dS).to(SDT), input_precision=PREC) + dz[None, :]
-        dkf = dkf * gk[:, None] + tl.dot(tl.trans(dA).to(SDT), fqs, input_precision=PREC)
-        dvf = tl.dot(fks, dS.to(SDT), input_precision=PREC) * gk[:, None]
-        dvf += tl.dot(tl.trans(A).to(SDT), gd, input_precision=PREC)
+        dqf = dqf * gq[:, None] + tl.dot(dA, fks, input_precision=PREC)
+        dkf = tl.dot(vs, tl.trans(dSs), input_precision=PREC) + dz[None, :]
+        dkf = dkf * gk[:, None] + tl.dot(tl.trans(dA), fqs, input_precision=PREC)
+        dvf = tl.dot(fks, dSs, input_precision=PREC) * gk[:, None]
+        dvf += tl.dot(tl.trans(_operand(A, SDT, SDROP)), gd, input_precision=PREC)
         # d f / d x = 1 where x + ω > 0, else exp(x + ω) = f (and 0 on padding, where f = 0)
         dq += dqf * tl.where(qx + om > 0, 1.0, fq)
         dk += dkf * tl.where(kx + om > 0, 1.0, fk)
@@ -605,7 +622,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         _la_bwd_states_kernel[(B * Lv * H,)](
             q, do, y, den, w, om, g, dsf if has_df else dhs, dzf if has_df else dzs, dhs, dzs,
             ds0, dz0, B, T, H, D, NC, eps, LV=Lv, HAS_DFINAL=has_df,
-            STORE_DINIT=dinit, PREC=_backend.dot_precision(q), BT=BT, BD=BD)
+            STORE_DINIT=dinit, PREC=_backend.dot_precision(q), SDROP=_state_split(q), BT=BT, BD=BD)
         dq = _backend.empty(B, T, H, D, dtype=q.dtype, device=dev)
         dk = _backend.empty(B, T, H, D, dtype=k.dtype, device=dev)
         dv = _backend.empty(B, T, H, D, dtype=v.dtype, device=dev)
