@@ -1,6 +1,6 @@
 """What the kernels are launched with, which the interpreter cannot check by running them: fp32
-inputs ask for IEEE dots (the interpreter ignores ``input_precision`` and multiplies with numpy; a
-GPU would round fp32 to TF32, about 1e-3 relative error), low-precision ones split the attention's
+inputs ask for IEEE dots (the tests' interpreter truncates a "tf32" dot's fp32 operands as a GPU
+does, so fp32 tolerances would fail at TF32 too; this test names the kernel), low-precision ones split the attention's
 carried state in its dots, every autotune key names an argument
 (Triton skips a name it does not find, so a misspelt key would silently share one tuning), and the
 attention's grids stay within CUDA's limits (the interpreter has none)."""

@@ -184,7 +184,10 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
 # numerator and the denominator, g in g·Sᵀ and in gz = −g·y (and in the reverse recurrence's dS and
 # dz); dq is then the derivative at that rounded g. (Plain fp32 operands at "tf32x3" would do too,
 # but spill 300 B of registers in bf16.) Every other fp32 operand of a tf32 dot is rounded to
-# nearest too (:func:`_operand`), as Hopper's tensor cores truncate it.
+# nearest too (:func:`_operand`), as Hopper's tensor cores truncate it. Likewise z sums f(k) as
+# rounded for S's dot, and the denominator sums the intra-chunk A as rounded for the numerator's
+# (the ones column beside v of the PyTorch path does both by construction): with unrounded sums,
+# fp16 dq's error was 8x the reference's over one call of 2,048 tokens.
 
 _DECODE_MAX_T = 16
 
@@ -334,10 +337,10 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_pt
         fk = _feature(tl.load(k_ptr + off, mask=m2, other=0.0).to(tl.float32), om, m2)
         vx = tl.load(v_ptr + off, mask=m2, other=0.0)
         L = tl.minimum(T - c * BT, BT)
-        fk = fk * tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32))[:, None]
+        fk = (fk * tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32))[:, None]).to(DT)
         gL = tl.exp(lg * L.to(tl.float32))
-        S = S * gL + tl.dot(tl.trans(fk.to(DT)), vx, input_precision=PREC)
-        z = z * gL + tl.sum(fk, 0)
+        S = S * gL + tl.dot(tl.trans(fk), vx, input_precision=PREC)
+        z = z * gL + tl.sum(fk.to(tl.float32), 0)
     if STORE_FINAL:
         tl.store(sf_ptr + n * D * D + soff, S, mask=smask)
         tl.store(zf_ptr + n * D + rd, z, mask=dmask)
@@ -369,10 +372,10 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
         qd = fq * gq[:, None]
         if SDROP > 0:  # the query the state dot sees, in the denominator too
             qd = _round_mantissa(qd, SDROP)
-        A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
+        A = (tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M).to(DT)
         num = _state_dot(qd, S, SDT, PREC, SDROP)
-        num += tl.dot(A.to(DT), vx, input_precision=PREC)
-        den = tl.sum(qd * z[None, :], 1) + tl.sum(A, 1)
+        num += tl.dot(A, vx, input_precision=PREC)
+        den = tl.sum(qd * z[None, :], 1) + tl.sum(A.to(tl.float32), 1)
         y = num / (tl.where(tmask, den, 1.0) + eps)[:, None]  # padding rows: 0, not 0/0 when eps = 0
         o += tl.load(w_ptr + l).to(tl.float32) * y
         if STORE_Y:
