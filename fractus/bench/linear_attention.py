@@ -308,55 +308,64 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
 NAMES = ("o", "S", "z", "dq", "dk", "dv", "dw", "dS0", "dz0")
 
 
-def _outputs(backend, inputs, dtype, grad):
-    """Run on copies in dtype (state, weights fp32; fp64 for the truth): o, S, z (+ grads)."""
+def _outputs(backend, inputs, dtype, grad, loss_mean=0.0):
+    """Run on copies in dtype (state, weights fp32; fp64 for the truth): o, S, z (+ grads of a
+    fixed random loss on o, S and z with a state, on o alone without (training's), its weights
+    drawn around loss_mean)."""
     q, k, v, w, g, st = inputs
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
     leaves = [x.detach().to(dtype).requires_grad_(grad) for x in (q, k, v)]
     leaves += [w.detach().to(sdt).requires_grad_(grad)]
-    leaves += [x.detach().to(sdt).requires_grad_(grad) for x in st]
+    leaves += [x.detach().to(sdt).requires_grad_(grad) for x in st or ()]
     with torch.set_grad_enabled(grad):
         o, (S, z) = linear_attention(*leaves[:4], level_omegas(w.numel()), None if g is None else g.to(sdt),
-                                     tuple(leaves[4:]), backend=backend)
+                                     tuple(leaves[4:]) or None, backend=backend)
     outs = [o, S, z]
     if grad:
         gen = torch.Generator().manual_seed(1)
-        loss = sum((x.double() * torch.randn(x.shape, generator=gen, dtype=torch.float64)
-                    .to(x.device)).sum() for x in outs)
+        loss = sum((x.double() * (loss_mean + torch.randn(x.shape, generator=gen, dtype=torch.float64))
+                    .to(x.device)).sum() for x in (outs if st else outs[:1]))
         outs += list(torch.autograd.grad(loss, leaves))
     return outs
 
 
 def correctness_rows(device, smoke: bool = False) -> list[dict]:
     """Triton (chunked with gradients, and the decode kernel) vs the reference run in fp64 on the
-    same rounded inputs, with decay and a random state, and without decay after a long history
-    with v around a mean (training's carried state, where dq cancels: see the kernels' note on the
-    state dots). fp32: rel_err < 1e-4. Low precision (bf16 on CUDA, fp16 on CPU whose
+    same rounded inputs, with decay and a random state, without decay after a long history with v
+    around a mean (training's carried state, where dq cancels: see the kernels' note on the state
+    dots), and over one long call from no state with v and dO around a mean (the numerator and
+    the denominator must round alike). fp32: rel_err < 1e-4. Low precision (bf16 on CUDA, fp16 on CPU whose
     interpreter has no correct bf16): rel_err ≤ that of the PyTorch path in the same dtype +
     margin (dw, a sum of B·T·H·D mostly cancelling terms, gets 3× the margin). Recorded, never raised."""
     device = torch.device(device)
     lowp = common.low_precision(device)
     random_state, carried = dict(decay=True, state=True), dict(history=1024 if smoke else 16384, v_mean=1.0)
+    one_call = dict(v_mean=1.0, loss_mean=3.0)
     if smoke:
         cases = [("chunked", dict(B=2, T=40, H=2, D=48, **random_state), True),
                  ("chunked", dict(B=1, T=40, H=2, D=32, **carried), True),
+                 ("chunked", dict(B=1, T=160, H=1, D=32, **one_call), True),
                  ("decode", dict(B=2, T=1, H=2, D=32, **random_state), False)]
     else:
         cases = [("chunked", dict(B=2, T=300, H=3, D=48, **random_state), True),
                  ("chunked", dict(B=2, T=200, H=2, D=64, **random_state), True),
                  ("chunked", dict(B=2, T=200, H=2, D=64, **carried), True),
+                 ("chunked", dict(B=1, T=2048, H=2, D=64, **one_call), True),
                  ("decode", dict(B=2, T=1, H=3, D=64, **random_state), False),
                  ("decode", dict(B=2, T=7, H=3, D=48, **random_state), False)]
     rows = []
     for kind, shape, grad in cases:
+        shape = dict(shape)
+        loss_mean = shape.pop("loss_mean", 0.0)
         for dtype in (torch.float32, lowp):
             after = f" after {shape['history']} tokens" if "history" in shape else ""
+            after += f" dO mean {loss_mean:g}" if loss_mean else ""
             kernel = f"linear_attention[{kind} T={shape['T']} D={shape['D']}{after}]"
             try:
                 inputs = make_inputs(**shape, levels=2, dtype=dtype, device=device, grad=False)
-                got = _outputs("triton", inputs, dtype, grad)
-                truth = _outputs("reference", inputs, torch.float64, grad)
-                same = _outputs("torch", inputs, dtype, grad) if dtype != torch.float32 else None
+                got = _outputs("triton", inputs, dtype, grad, loss_mean)
+                truth = _outputs("reference", inputs, torch.float64, grad, loss_mean)
+                same = _outputs("torch", inputs, dtype, grad, loss_mean) if dtype != torch.float32 else None
                 margin = 1e-2 if dtype == torch.bfloat16 else 1e-3
                 rows += common.check_rows(kernel, dtype, NAMES[:len(got)], got, truth, same, margin,
                                           margins={"dw": 3 * margin}, truth_name="fp64 reference")

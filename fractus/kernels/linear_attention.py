@@ -372,10 +372,13 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
         qd = fq * gq[:, None]
         if SDROP > 0:  # the query the state dot sees, in the denominator too
             qd = _round_mantissa(qd, SDROP)
-        A = (tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M).to(DT)
+        A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
+        if SDROP > 0:  # A as rounded to DT for the numerator's dot (bf16 and fp16 both drop SDROP
+            # bits; fp16's subnormals below 6e-5 lose more), and so summed in the denominator
+            A = _round_mantissa(A, SDROP)
         num = _state_dot(qd, S, SDT, PREC, SDROP)
-        num += tl.dot(A, vx, input_precision=PREC)
-        den = tl.sum(qd * z[None, :], 1) + tl.sum(A.to(tl.float32), 1)
+        num += tl.dot(A.to(DT), vx, input_precision=PREC)
+        den = tl.sum(qd * z[None, :], 1) + tl.sum(A, 1)
         y = num / (tl.where(tmask, den, 1.0) + eps)[:, None]  # padding rows: 0, not 0/0 when eps = 0
         o += tl.load(w_ptr + l).to(tl.float32) * y
         if STORE_Y:
