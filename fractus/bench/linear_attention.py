@@ -334,9 +334,11 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     same rounded inputs, with decay and a random state, without decay after a long history with v
     around a mean (training's carried state, where dq cancels: see the kernels' note on the state
     dots), and over one long call from no state with v and dO around a mean (the numerator and
-    the denominator must round alike). fp32: rel_err < 1e-4. Low precision (bf16 on CUDA, fp16 on CPU whose
-    interpreter has no correct bf16): rel_err ≤ that of the PyTorch path in the same dtype +
-    margin (dw, a sum of B·T·H·D mostly cancelling terms, gets 3× the margin). Recorded, never raised."""
+    the denominator must round alike). fp32: rel_err < 1e-4 (over the long call, like low
+    precision with a margin of 1e-4: fp32 accumulation alone errs by ~1e-4 there). Low precision
+    (bf16 on CUDA, fp16 on CPU whose interpreter has no correct bf16): rel_err ≤ that of the
+    PyTorch path in the same dtype + margin (dw, a sum of B·T·H·D mostly cancelling terms, gets 3×
+    the margin). Recorded, never raised."""
     device = torch.device(device)
     lowp = common.low_precision(device)
     random_state, carried = dict(decay=True, state=True), dict(history=1024 if smoke else 16384, v_mean=1.0)
@@ -359,14 +361,17 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
         loss_mean = shape.pop("loss_mean", 0.0)
         for dtype in (torch.float32, lowp):
             after = f" after {shape['history']} tokens" if "history" in shape else ""
-            after += f" dO mean {loss_mean:g}" if loss_mean else ""
+            if loss_mean:
+                after += f" one call v/dO means {shape['v_mean']:g}/{loss_mean:g}"
             kernel = f"linear_attention[{kind} T={shape['T']} D={shape['D']}{after}]"
             try:
                 inputs = make_inputs(**shape, levels=2, dtype=dtype, device=device, grad=False)
                 got = _outputs("triton", inputs, dtype, grad, loss_mean)
                 truth = _outputs("reference", inputs, torch.float64, grad, loss_mean)
-                same = _outputs("torch", inputs, dtype, grad, loss_mean) if dtype != torch.float32 else None
-                margin = 1e-2 if dtype == torch.bfloat16 else 1e-3
+                # fp32 over one long call errs by ~1e-4 on every path (the fp32 reference by 1.3e-4)
+                lowp_rule = dtype != torch.float32 or loss_mean
+                same = _outputs("torch", inputs, dtype, grad, loss_mean) if lowp_rule else None
+                margin = {torch.bfloat16: 1e-2, torch.float16: 1e-3}.get(dtype, 1e-4)
                 rows += common.check_rows(kernel, dtype, NAMES[:len(got)], got, truth, same, margin,
                                           margins={"dw": 3 * margin}, truth_name="fp64 reference")
             except Exception as exc:  # recorded, not raised
