@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from fractus.kernels import backend
 from fractus.kernels import cross_entropy as ce_mod
 from fractus.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from util import assert_lowp, assert_rel
+from util import LOWP, assert_lowp, assert_rel, lowp_tol
 
 TOL = 1e-5  # fp32 vs the fp32 reference (measured errors are below 1e-6)
 
@@ -95,12 +95,12 @@ def test_triton_vocab_splits():
     _compare("triton", 12, 300, 48, positions="subset", z_loss=1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), *LOWP])
 def test_triton_gpu_tiles(monkeypatch, dtype):
     """The GPU's tiles for the dtype (the other tests run the interpreter's small ones): 64-row
     token blocks (dW's: 128 rows in fp16, the second ragged), the vocab split across the programs
     of an H200 (132 multiprocessors), a ragged last vocab tile, ragged d along BLOCK_K and BLOCK_D;
-    fp16 weights: dW in two slabs of 132 vocab tiles, the second partial."""
+    fp16 or bf16 weights: dW in two slabs of 132 vocab tiles, the second partial."""
     monkeypatch.setattr(ce_mod, "_config", lambda h, V: ce_mod.gpu_config(h.dtype))
     cfg = ce_mod.gpu_config(dtype)
     N, d = 150, 200
@@ -111,36 +111,38 @@ def test_triton_gpu_tiles(monkeypatch, dtype):
     out = _run(lambda *a, **k: linear_cross_entropy(*a, backend="triton", **k), h, w, t, **kw)
     h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     truth = _run(linear_cross_entropy_reference, h32, w32, t, **kw)
-    same = _run(linear_cross_entropy_reference, h, w, t, **kw)  # fp16: fp32 math, fp16 gradients
+    same = _run(linear_cross_entropy_reference, h, w, t, **kw)  # fp32 math, gradients in dtype
     for x, s, r, what in zip(out, same, truth, ("loss", "per-token ce", "dH", "dW")):
         assert x.dtype == s.dtype
         if dtype == torch.float32:
             assert_rel(x, r, TOL, f"GPU tiles {what}")
         else:
-            assert_lowp(x.float(), s.float(), r, 3e-4, f"GPU tiles fp16 {what}")
+            assert_lowp(x.float(), s.float(), r, lowp_tol(3e-4, dtype), f"GPU tiles {dtype} {what}")
 
 
 @pytest.mark.parametrize("path,N,V,d,w32", [("torch", 37, 300, 48, False), ("triton", 37, 300, 48, False),
                                               ("triton", 40, 8192, 128, False),
                                               ("torch", 37, 300, 48, True), ("triton", 37, 300, 48, True)])
-def test_fp16(small_chunks, path, N, V, d, w32):
-    """fp16 h: error vs the fp32 truth no worse than PyTorch's own fp16 computation. The weight is
-    fp16, or (``w32``: the model under autocast) an fp32 master whose gradient comes back fp32."""
-    h, w, t = _inputs(N, V, d, dtype=torch.float16)
+@pytest.mark.parametrize("dtype", LOWP)
+def test_low_precision(small_chunks, path, N, V, d, w32, dtype):
+    """fp16 or bf16 h: error vs the fp32 truth no worse than PyTorch's own computation in that dtype.
+    The weight is in dtype, or (``w32``: the model under autocast) an fp32 master whose gradient
+    comes back fp32."""
+    h, w, t = _inputs(N, V, d, dtype=dtype)
     if w32:
         w = w.detach().float().requires_grad_()
     truth = _run(linear_cross_entropy_reference, h.detach().float().requires_grad_(),
                  w.detach().float().requires_grad_(), t)
 
-    def naive16(h, w, t, return_per_token):
-        ce = F.cross_entropy(F.linear(h, w.half()), t, reduction="none")
+    def naive(h, w, t, return_per_token):
+        ce = F.cross_entropy(F.linear(h, w.to(dtype)), t, reduction="none")
         return ce.sum() / (t != -100).sum(), ce
 
-    same = _run(naive16, h, w, t)
+    same = _run(naive, h, w, t)
     out = _run(lambda *a, **k: linear_cross_entropy(*a, backend=path, **k), h, w, t)
-    assert out[2].dtype == torch.float16 and out[3].dtype == w.dtype
+    assert out[2].dtype == dtype and out[3].dtype == w.dtype
     for x, s, r, what in zip(out, same, truth, ("loss", "per-token ce", "dH", "dW")):
-        assert_lowp(x.float(), s.float(), r, 3e-4, f"{path} fp16 (weight {w.dtype}) {what}")
+        assert_lowp(x.float(), s.float(), r, lowp_tol(3e-4, dtype), f"{path} {dtype} (weight {w.dtype}) {what}")
 
 
 @pytest.mark.parametrize("path", ["torch", "triton", "reference"])

@@ -41,12 +41,14 @@ def test_gpu_suite_dry_run(dry_run):
     train = pd.read_csv(tmp_path / "train_throughput.csv")
     assert (train["tok_s"] > 0).all() and (train["mfu"] > 0).all()
     # the baselines: every implementation's output compared with the same truth; Liger runs in the
-    # interpreter and agrees; fla's kernels do not run there (its error recorded, the target not measured)
+    # interpreter and agrees; fla's kernels do not run there (its error recorded, the target not measured).
+    # The timings run in bf16, as on the GPU: agreement within bf16's rounding (measured: 2e-3 to 4e-3)
     ce = pd.read_csv(tmp_path / "timing_cross_entropy.csv").set_index("impl")
-    assert (ce.loc[["triton", "liger"], ["rel_err_loss", "rel_err_dh", "rel_err_dw"]] < 1e-5).all().all()
+    assert (ce.loc[["triton", "liger"], ["rel_err_loss", "rel_err_dh", "rel_err_dw"]] < 1e-2).all().all()
     la = pd.read_csv(tmp_path / "timing_linear_attention.csv")
+    assert (la["dtype"] == "bfloat16").all()
     fwd = la[la["mode"] == "fwd"].set_index("impl")
-    assert (fwd.loc[["triton", "torch", "materialising"], "rel_err_vs_torch"] < 1e-5).all()
+    assert (fwd.loc[["triton", "torch", "materialising"], "rel_err_vs_torch"] < 1e-2).all()
     assert fwd.loc["fla", "note"].startswith("error:")
     target = la[(la["mode"] == "fwd+bwd") & (la["impl"] == "triton")].iloc[0]
     assert target["target"].startswith("fwd+bwd <= 1.25x fla") and target["note"] == "target not measured: fla failed"
@@ -54,7 +56,7 @@ def test_gpu_suite_dry_run(dry_run):
         t = pd.read_csv(tmp_path / f"timing_{k}.csv").dropna(subset=["time_s"])
         assert len(t) and (t[["time_s", "tflops", "gbps"]] > 0).all().all(), k
     targets = pd.read_csv(tmp_path / "targets.csv").set_index("target")  # one table of the issues' targets
-    assert targets.loc["every kernel correct (fp32 and bf16 vs the fp32 truth; fp16 in a dry run)", "met"]
+    assert targets.loc["every kernel correct (fp32 and bf16 vs the fp32 truth)", "met"]
     assert targets.loc["the trainer on the device: stopped + --resume equals one run", "met"]
     assert targets.loc["moe: >=5x vs per-expert loop", "met"].notna().all()  # measured (tiny sizes: any verdict)
     assert pd.notna(targets.loc["linear_attention: decode >= 10x the PyTorch path", "met"])

@@ -1,6 +1,6 @@
 """linear_attention: every path vs the token-by-token reference (fp64 truth), output, final state
-and every gradient; split-and-resume; decode steps; fp16 by the low-precision rule, also with a
-state beyond fp16's range; a decay that requires grad refused off the reference path."""
+and every gradient; split-and-resume; decode steps; fp16 and bf16 by the low-precision rule, also
+with a state beyond fp16's range; a decay that requires grad refused off the reference path."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +10,7 @@ import triton.language as tl
 from fractus.kernels import linear_attention as la
 from fractus.kernels.linear_attention import _round_mantissa, linear_attention, linear_attention_reference
 from fractus.model import level_omegas
-from util import Launches, assert_lowp, assert_rel
+from util import LOWP, Launches, assert_lowp, assert_rel, lowp_tol
 
 OMEGAS = level_omegas(2)
 FP32_TOL = 1e-5  # fp32 paths vs the fp64 truth (measured errors are below 1e-6)
@@ -228,22 +228,24 @@ def test_split_and_resume(path):
     assert_rel(state[1], z6, 1e-5, "decode z")
 
 
-def _assert_fp16(inputs, grad, path, state_loss=True, loss_mean=0.0, tol=5e-4):
-    """fp16 run of path vs the fp64 truth, by the low-precision rule against the fp16 reference."""
+def _assert_lowp(inputs, grad, path, dtype=torch.float16, state_loss=True, loss_mean=0.0, tol=5e-4):
+    """A run of path in dtype vs the fp64 truth, by the low-precision rule against the same-dtype
+    reference (which computes in fp32); tol is fp16's (:func:`lowp_tol`)."""
     truth = run(inputs, torch.float64, grad, state_loss, loss_mean=loss_mean, backend="reference")
-    ref16 = run(inputs, torch.float16, grad, state_loss, loss_mean=loss_mean, backend="reference")
+    ref = run(inputs, dtype, grad, state_loss, loss_mean=loss_mean, backend="reference")
     with torch.set_grad_enabled(grad):
-        got = run(inputs, torch.float16, grad, state_loss, loss_mean=loss_mean, backend=path)
-    assert got[0].dtype == torch.float16 and got[1].dtype == torch.float32
-    for name, x, r, t in zip(NAMES, got, ref16, truth):
-        # dw = Σ dO·y_l over B·T·H·D terms that largely cancel: the fp16 rounding of the dot
-        # operands in y (~3e-4) comes out ~10x larger there; the references compute y in fp32.
-        assert_lowp(x, r, t, 3e-3 if name == "dw" else tol, name)
+        got = run(inputs, dtype, grad, state_loss, loss_mean=loss_mean, backend=path)
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    for name, x, r, t in zip(NAMES, got, ref, truth):
+        # dw = Σ dO·y_l over B·T·H·D terms that largely cancel: the rounding of the dot operands
+        # in y (fp16: ~3e-4) comes out ~10x larger there; the references compute y in fp32.
+        assert_lowp(x, r, t, lowp_tol(3e-3 if name == "dw" else tol, dtype), f"{dtype} {name}")
 
 
+@pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("path,T,grad", [("torch", 40, True), ("triton", 100, True), ("triton", 5, False)])
-def test_fp16(path, T, grad):
-    _assert_fp16(make(2, T, 2, 48, True, True, dtype=torch.float16), grad, path)
+def test_low_precision(path, T, grad, dtype):
+    _assert_lowp(make(2, T, 2, 48, True, True, dtype=dtype), grad, path, dtype)
 
 
 def large_state(inputs, scale=1e5):
@@ -259,12 +261,12 @@ def test_fp16_large_state(state_loss):
     (several chunks) keep the state, its gradient and dO/den out of fp16. Output, final state and
     every gradient by the low-precision rule; the loss on o only is training's (state detached)."""
     inputs = large_state(make(2, 70, 2, 32, False, True, dtype=torch.float16))
-    _assert_fp16(inputs, True, "triton", state_loss)
+    _assert_lowp(inputs, True, "triton", state_loss=state_loss)
 
 
 def test_fp16_large_state_decode(decode_launches):
     """The decode kernel with the same state (it keeps every state quantity in fp32)."""
-    _assert_fp16(large_state(make(2, 5, 2, 32, False, True, dtype=torch.float16)), False, "triton")
+    _assert_lowp(large_state(make(2, 5, 2, 32, False, True, dtype=torch.float16)), False, "triton")
     assert decode_launches.count == 1
 
 
@@ -309,20 +311,24 @@ def test_long_carried_state_under_bf16_autocast():
         assert_rel(x.double(), ref, 1e-2, name)
 
 
-def test_fp16_long_sequence():
-    """One call over 2,048 fp16 tokens, v and dO with a mean, the loss on o (training's): the state
+@pytest.mark.parametrize("dtype", LOWP)
+def test_long_sequence_low_precision(dtype):
+    """One call over 2,048 tokens, v and dO with a mean, the loss on o (training's): the state
     built within the call and the intra-chunk term must enter the numerator and the denominator
-    with the same rounded f(k) and A. The denominators summed unrounded ones: dq's error exceeded
-    the fp16 reference's (which computes in fp32) by 2.2e-3. The kernels' 10-bit dot operands
-    exceed it by 5e-4 (measured at 1,024 and 2,048 tokens, dO means 0 to 3), hence tol 1e-3."""
-    _assert_fp16(make(1, 2048, 1, 16, False, False, dtype=torch.float16, levels=1, v_mean=1.0), True,
-                 "triton", state_loss=False, loss_mean=3.0, tol=1e-3)
+    with the same rounded f(k) and A. The denominators summed unrounded ones: fp16 dq's error
+    exceeded the fp16 reference's (which computes in fp32) by 2.2e-3. The kernels' 10-bit dot
+    operands exceed it by 5e-4 (measured at 1,024 and 2,048 tokens, dO means 0 to 3), hence fp16's
+    tol 1e-3 (bf16's 8-bit ones by 4.7e-3)."""
+    _assert_lowp(make(1, 2048, 1, 16, False, False, dtype=dtype, levels=1, v_mean=1.0), True,
+                 "triton", dtype, state_loss=False, loss_mean=3.0, tol=1e-3)
 
 
-def test_fp16_long_carried_state():
-    """The Triton kernels with the same state in fp16, by the low-precision rule; the state dots run
-    in tf32, which the tests' interpreter truncates as a GPU does (an unsplit S gives dq 4e-2)."""
-    _assert_fp16(make(1, 70, 2, 64, False, False, dtype=torch.float16, **LONG), True, "triton")
+@pytest.mark.parametrize("dtype", LOWP)
+def test_long_carried_state_low_precision(dtype):
+    """The Triton kernels with the same state in fp16 and bf16, by the low-precision rule; the state
+    dots run in tf32 (fp16) or bf16, which the tests' interpreter rounds as a GPU does; S split in
+    two operands keeps dq's error that of the other operands (an unsplit S: fp16 dq 4e-2)."""
+    _assert_lowp(make(1, 70, 2, 64, False, False, dtype=dtype, **LONG), True, "triton", dtype)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])

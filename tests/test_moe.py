@@ -6,7 +6,7 @@ import torch
 
 from fractus.kernels import moe as moe_mod
 from fractus.kernels.moe import _Route, moe, moe_reference
-from util import Launches, assert_lowp, assert_rel, pinned
+from util import LOWP, Launches, assert_lowp, assert_rel, lowp_tol, pinned
 
 D, FF = 48, 80  # not multiples of the blocks
 
@@ -230,22 +230,23 @@ def test_triton_forward_without_grad(monkeypatch):
     assert [k["SAVE"] for k in fwd.kwargs] == [False, True]
 
 
+@pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("masters", [False, True])
 @pytest.mark.parametrize("lowrank", [True, False])
-def test_triton_fp16_lowp(lowrank, masters):
-    """fp16 tokens: error vs the fp32 truth within that of the fp16 PyTorch path (+ tol), with
-    fp16 experts or (``masters``, as under autocast) fp32 experts whose gradients stay fp32."""
+def test_triton_low_precision(lowrank, masters, dtype):
+    """fp16 or bf16 tokens: error vs the fp32 truth within that of the same-dtype PyTorch path (+ tol),
+    with experts in that dtype or (``masters``, as under autocast) fp32 experts whose gradients stay fp32."""
     E, K, N = 7, 2, 13
-    ex16 = make_experts(E, lowrank=lowrank, dtype=torch.float16)
-    x16, idx, w16 = make_inputs(N, E, K, dtype=torch.float16)
-    dy16 = torch.randn(N, D, dtype=torch.float16)
-    ex32 = {k: v.detach().float().requires_grad_() for k, v in ex16.items()}
-    x32, w32 = x16.detach().float().requires_grad_(), w16.detach().float().requires_grad_()
-    truth = run("reference", x32, idx, w32, ex32, dy16.float())
-    ex = ex32 if masters else ex16
-    same = run("torch", x16, idx, w16, ex, dy16)
-    got = run("triton", x16, idx, w16, ex, dy16)
-    assert got[0].dtype == torch.float16
+    exl = make_experts(E, lowrank=lowrank, dtype=dtype)
+    xl, idx, wl = make_inputs(N, E, K, dtype=dtype)
+    dyl = torch.randn(N, D, dtype=dtype)
+    ex32 = {k: v.detach().float().requires_grad_() for k, v in exl.items()}
+    x32, w32 = xl.detach().float().requires_grad_(), wl.detach().float().requires_grad_()
+    truth = run("reference", x32, idx, w32, ex32, dyl.float())
+    ex = ex32 if masters else exl
+    same = run("torch", xl, idx, wl, ex, dyl)
+    got = run("triton", xl, idx, wl, ex, dyl)
+    assert got[0].dtype == dtype
     assert [g.dtype for g in got[3:]] == [v.dtype for v in ex.values()]
     for name, a, b, t in zip(["y", "dx", "dw", *ex], got, same, truth):
-        assert_lowp(a, b, t, 3e-4, f"triton fp16 {name}")
+        assert_lowp(a, b, t, lowp_tol(3e-4, dtype), f"triton {dtype} {name}")

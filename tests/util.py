@@ -2,6 +2,7 @@
 autotune pin."""
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from fractus.bench.common import rel_err
@@ -43,6 +44,15 @@ def assert_rel(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -
     assert x.shape == ref.shape, f"{what}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
     e = rel_err(x, ref)
     assert e < tol, f"{what}: relative error {e:.3e} >= {tol:.1e}"
+
+
+LOWP = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]  # tested low precisions
+
+
+def lowp_tol(tol: float, dtype: torch.dtype) -> float:
+    """A tolerance given for fp16, in dtype: bf16's is 8x (its unit roundoff 2⁻⁸ against fp16's
+    2⁻¹¹; the kernels' measured excess errors are 7-10x fp16's)."""
+    return tol * (8 if dtype == torch.bfloat16 else 1)
 
 
 def assert_lowp(x: torch.Tensor, same_dtype_ref: torch.Tensor, truth: torch.Tensor,

@@ -153,12 +153,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def low_precision(device: torch.device | str) -> torch.dtype:
-    """The low-precision dtype the correctness checks use on ``device``: bf16 on CUDA (the
-    training dtype), fp16 elsewhere (Triton's interpreter computes bf16 wrongly)."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
-
-
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value); the tests' measure too."""
     x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
