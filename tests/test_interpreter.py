@@ -78,6 +78,35 @@ def test_bf16_computed_by_value():
     torch.testing.assert_close(cum.float(), xf.cumsum(1), rtol=2 ** -7, atol=2 ** -6 * xf.abs().sum(1).max())
 
 
+@triton.jit
+def _bf16_more_kernel(x_ptr, y_ptr, z_ptr, f8_ptr, cmp_ptr, both_ptr, fma_ptr, to8_ptr, from8_ptr,
+                      N: tl.constexpr):
+    i = tl.arange(0, N)
+    x, y, z = tl.load(x_ptr + i), tl.load(y_ptr + i), tl.load(z_ptr + i)
+    tl.store(cmp_ptr + i, (x > y).to(tl.float32))
+    tl.store(both_ptr + i, ((x > 0) & (y > 0)).to(tl.int32))
+    tl.store(fma_ptr + i, tl.fma(x, y, z))
+    tl.store(to8_ptr + i, x.to(tl.float8e5, fp_downcast_rounding="rtne"))
+    tl.store(from8_ptr + i, tl.load(f8_ptr + i).to(tl.bfloat16))
+
+
+def test_bf16_comparisons_fma_and_fp8():
+    """A comparison of bf16 gives booleans (cast and combined as such); an fma rounds once (x·y + z
+    = −15.09375 + 1.4e-7 rounds up to −15.0625; rounding x·y + z to fp32 first made it a tie, and
+    −15.125); fp8 ↔ bf16 casts keep the interpreter's own fp8 conversion."""
+    x = torch.tensor([-6.0, 2.5, -1.0, 0.5, 3.0, -7.0, 96.0, 1.0]).bfloat16()
+    y = torch.tensor([2.515625, 1.0, -2.0, 0.5, -1.0, 2.0, 4.0, 0.25]).bfloat16()
+    z = torch.tensor([1.378e-7, 0, 0, 0, 0, 0, 0, 0]).bfloat16()
+    f8 = x.to(torch.float8_e5m2)
+    cmp, fma = torch.full((8,), float("nan")), torch.full((8,), float("nan"), dtype=torch.bfloat16)
+    both, to8 = torch.full((8,), -1, dtype=torch.int32), torch.zeros(8, dtype=torch.float8_e5m2)
+    from8 = torch.full((8,), float("nan"), dtype=torch.bfloat16)
+    _bf16_more_kernel[(1,)](x, y, z, f8, cmp, both, fma, to8, from8, N=8)
+    assert torch.equal(cmp, (x > y).float()) and torch.equal(both, ((x > 0) & (y > 0)).int())
+    assert fma[0].item() == -15.0625 and torch.equal(fma[1:], (x * y)[1:])
+    assert torch.equal(to8.float(), f8.float()) and torch.equal(from8, f8.bfloat16())
+
+
 def test_bf16_bits():
     """The conversions the patch uses: nearest-even at ties, NaN kept, infinities and zeros kept."""
     x = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.5, np.inf, -np.inf, 0.0, np.nan, 3e38], np.float32)
@@ -88,7 +117,6 @@ def test_bf16_bits():
 
 def test_triton_on_cpu_installs_the_emulation(monkeypatch):
     """Any Triton op on CPU tensors gets it, not only the tests (conftest installed it already)."""
-    monkeypatch.setattr(interpret, "_installed", False)
     calls = []
     monkeypatch.setattr(interpret, "install", lambda: calls.append(1))
     assert backend.pick("triton", torch.zeros(1)) == "triton" and calls == [1]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import fractus.model as model_mod
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
 from fractus.model import _FIELD_CHECKS, FractusConfig, FractusCTE, farey_phases, level_omegas, load_balance
 from util import assert_rel
@@ -368,13 +369,22 @@ def test_triton_path_equals_torch_path(over):
 
 
 @pytest.mark.parametrize("over", **MODEL_VARIANTS)
-def test_triton_path_under_bf16_autocast(over):
+def test_triton_path_under_bf16_autocast(over, monkeypatch):
     """Training's setting on the GPU's path: the whole model under bf16 autocast, every Triton
-    kernel interpreted with bf16 rounded as a GPU does, vs the fp32 CPU path. A token's expert may
-    flip under bf16 (on either path), so the bounds are bf16's, not the kernels' (measured: the
-    PyTorch path under bf16 errs by 2e-5 in the cross-entropy, 5e-3 to 8e-3 in the gradients, 5e-3
-    in the decode logits; the Triton path by 3e-5, 5e-3 to 1.3e-2, 5e-3)."""
-    (l0, g0, t0, _), (l1, g1, t1, _) = _two_chunks("torch", over), _two_chunks("triton", over, bf16=True)
+    kernel interpreted with bf16 rounded as a GPU does (the attention, the experts and the head
+    given bf16 activations), vs the fp32 CPU path. A token's expert may flip under bf16 (on either
+    path), so the bounds are bf16's, not the kernels' (measured: the PyTorch path under bf16 errs
+    by 2e-5 in the cross-entropy, 5e-3 to 8e-3 in the gradients, 5e-3 in the decode logits; the
+    Triton path by 3e-5, 5e-3 to 1.3e-2, 5e-3)."""
+    (l0, g0, t0, _) = _two_chunks("torch", over)
+    given = {}
+    for op in ("linear_attention", "moe", "linear_cross_entropy"):
+        def record(x, *args, _op=op, _fn=getattr(model_mod, op), **kw):
+            given.setdefault(_op, set()).add(x.dtype)
+            return _fn(x, *args, **kw)
+        monkeypatch.setattr(model_mod, op, record)
+    (l1, g1, t1, _) = _two_chunks("triton", over, bf16=True)
+    assert given == dict.fromkeys(("linear_attention", "moe", "linear_cross_entropy"), {torch.bfloat16})
     assert_rel(l1[:, 0], l0[:, 0], 2e-4, "cross-entropy")
     assert_rel(l1[:, 1], l0[:, 1], 1e-2, "load balance")
     assert g1.keys() == g0.keys()
