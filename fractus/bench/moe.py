@@ -202,8 +202,9 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     """Triton vs the fp32 per-token reference: output and every gradient, low-rank and dense.
 
     fp32: rel_err < tol. bf16 (on CPU through the interpreter, which :mod:`fractus.kernels.interpret`
-    makes round it as a GPU does): rel_err vs the fp32 truth ≤ that of the bf16 PyTorch path + tol.
-    Failures (including exceptions) are recorded, never raised.
+    makes round it as a GPU does): rel_err vs the fp32 truth ≤ that of the bf16 PyTorch path + 2e-3
+    (the interpreter's bf16 exceeds it by at most 6.6e-4 at these sizes, 8.3e-4 at the dry run's;
+    mostly the kernels are more accurate). Failures (including exceptions) are recorded, never raised.
     """
     device = torch.device(device)
     dims = TINY if smoke else dict(d=320, E=16, F=400, r=64, K=2)
@@ -228,7 +229,7 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
                 x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
                 truth = run(moe_reference, x32, w32, up, dy.float())
                 same = run(_impl("torch"), x, w, ex, dy) if dtype != torch.float32 else None
-                rows += common.check_rows(kernel, dtype, ["y", "dx", "dw", *ex], got, truth, same, margin=5e-3)
+                rows += common.check_rows(kernel, dtype, ["y", "dx", "dw", *ex], got, truth, same, margin=2e-3)
             except Exception as exc:  # recorded, not raised
                 rows.append(common.error_row(kernel, dtype, exc))
     return rows
