@@ -98,7 +98,7 @@ def test_triton_vocab_splits():
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), *LOWP])
 def test_triton_gpu_tiles(monkeypatch, dtype):
     """The GPU's tiles for the dtype (the other tests run the interpreter's small ones): 64-row
-    token blocks (dW's: 128 rows in fp16, the second ragged), the vocab split across the programs
+    token blocks (dW's: 128 rows in fp16 and bf16, the second ragged), the vocab split across the programs
     of an H200 (132 multiprocessors), a ragged last vocab tile, ragged d along BLOCK_K and BLOCK_D;
     fp16 or bf16 weights: dW in two slabs of 132 vocab tiles, the second partial."""
     monkeypatch.setattr(ce_mod, "_config", lambda h, V: ce_mod.gpu_config(h.dtype))

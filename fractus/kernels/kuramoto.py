@@ -189,7 +189,7 @@ def _tile_rk4_step_vjp(theta, a, K, omega, dt, damping, G, g_omega):
 def _clock_tile(omega_ptr, K_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's rows, the [BM, BN] offsets and mask of a row-major [M, N] array, ω [BN] and
     K [BN, BN] zero-padded."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M·N may pass 2³¹
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     omega = tl.load(omega_ptr + cols, mask=cols < N, other=0.0)
@@ -204,13 +204,14 @@ def _kuramoto_fwd_kernel(THETA0, OMEGA, K_ptr, THETAS, XY, M, N, dt, damping, ST
     """θ⁰ [M, N] → XY [2, M] (Σ cos θ, Σ sin θ of the final θ); SAVE: θ at every step boundary
     into THETAS [STEPS + 1, M, N]."""
     rows, offs, mask, omega, K = _clock_tile(OMEGA, K_ptr, M, N, BLOCK_M, BLOCK_N)
+    MN = tl.cast(M, tl.int64) * N
     theta = tl.load(THETA0 + offs, mask=mask, other=0.0).to(tl.float32)
     for step in tl.static_range(STEPS):
         if SAVE:
-            tl.store(THETAS + step * M * N + offs, theta, mask=mask)
+            tl.store(THETAS + step * MN + offs, theta, mask=mask)
         theta = _tile_rk4_step(theta, K, omega, dt, damping)
     if SAVE:
-        tl.store(THETAS + STEPS * M * N + offs, theta, mask=mask)
+        tl.store(THETAS + STEPS * MN + offs, theta, mask=mask)
     tl.store(XY + rows, tl.sum(tl.where(mask, tl.cos(theta), 0.0), 1), mask=rows < M)
     tl.store(XY + M + rows, tl.sum(tl.where(mask, tl.sin(theta), 0.0), 1), mask=rows < M)
 
@@ -220,7 +221,8 @@ def _kuramoto_bwd_kernel(THETAS, XY, G_PSI, OMEGA, K_ptr, DTHETA0, DOMEGA_P, DK_
                          STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """∂L/∂ψ [M] → ∂θ⁰ [M, N] and this program's partial sums ∂ω [BN] and ∂K [BN, BN]."""
     rows, offs, mask, omega, K = _clock_tile(OMEGA, K_ptr, M, N, BLOCK_M, BLOCK_N)
-    theta = tl.load(THETAS + STEPS * M * N + offs, mask=mask, other=0.0)
+    MN = tl.cast(M, tl.int64) * N
+    theta = tl.load(THETAS + STEPS * MN + offs, mask=mask, other=0.0)
     X = tl.load(XY + rows, mask=rows < M, other=1.0)
     Y = tl.load(XY + M + rows, mask=rows < M, other=0.0)
     g = tl.load(G_PSI + rows, mask=rows < M, other=0.0).to(tl.float32)
@@ -230,11 +232,11 @@ def _kuramoto_bwd_kernel(THETAS, XY, G_PSI, OMEGA, K_ptr, DTHETA0, DOMEGA_P, DK_
     G = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
     g_omega = tl.zeros([BLOCK_N], dtype=tl.float32)
     for i in tl.static_range(STEPS):
-        theta = tl.load(THETAS + (STEPS - 1 - i) * M * N + offs, mask=mask, other=0.0)
+        theta = tl.load(THETAS + (STEPS - 1 - i) * MN + offs, mask=mask, other=0.0)
         a, G, g_omega = _tile_rk4_step_vjp(theta, a, K, omega, dt, damping, G, g_omega)
     tl.store(DTHETA0 + offs, a, mask=mask)
     cols = tl.arange(0, BLOCK_N)
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     tl.store(DOMEGA_P + pid * BLOCK_N + cols, g_omega)
     tl.store(DK_P + pid * BLOCK_N * BLOCK_N + cols[:, None] * BLOCK_N + cols[None, :], G)
 

@@ -206,8 +206,9 @@ def _configs():
 
 
 # The parallel kernels have no loop to pipeline and hold many [BT, BD] fp32 tiles: compiled ahead
-# of time for sm_90 (python -m fractus.bench aot), 4 warps spill registers in bf16 and fp32 and
-# 8 warps do not in bf16 (backward chunks of 32), so they launch with 8 warps and no autotuning.
+# of time for sm_90 (python -m fractus.bench aot), 4 warps spill registers in bf16 and fp32; 8 warps
+# spill at most tens of bytes in bf16 (backward chunks of 32: 24 B under Triton 3.9, 12–16 B under
+# 3.6; forward 0, 36 B under 3.6 at a T not a multiple of 16), so they launch with 8 warps, untuned.
 _PARALLEL_WARPS = 8
 
 
@@ -539,7 +540,7 @@ def _block_d(D):
 
 
 # Chunk lengths. The backward recomputes its chunk states, so it need not use the forward's:
-# on chunks of 32 its gradient kernel spills 16 B of registers in bf16 on sm_90 instead of
+# on chunks of 32 its gradient kernel spills 24 B of registers in bf16 on sm_90 instead of
 # 1–2.6 KiB on chunks of 64 (python -m fractus.bench aot), at the price of mma.sync instead of
 # wgmma; the GPU suite times both (timing_linear_attention.csv, impl triton_bwd64).
 _FWD_CHUNK, _BWD_CHUNK = 64, 32
