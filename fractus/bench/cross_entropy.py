@@ -181,7 +181,9 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     """Triton vs the fp32 reference: loss, per-token ce, dH, dW; fp32 and low precision.
 
     fp32: rel_err < 1e-4. bf16 (on CPU through the interpreter, which :mod:`fractus.kernels.interpret`
-    makes round it as a GPU does): rel_err vs the fp32 truth ≤ that of the bf16 PyTorch computation + 5e-3.
+    makes round it as a GPU does): rel_err vs the fp32 truth ≤ that of the bf16 PyTorch computation + 2e-3.
+    Measured so at this size (1,000 tokens, d 512, V 50257), the kernel's errors are below the
+    PyTorch path's in both options: loss and per-token ce by 4e-6 to 2.5e-4, dH and dW by 3e-4 to 8e-4.
     Failures (including exceptions) are recorded, never raised.
     """
     device = torch.device(device)
@@ -214,7 +216,7 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
                 truth = run(lambda *a, **k: linear_cross_entropy_reference(*a, return_per_token=True,
                                                                            **k), h32, w32)
                 same = run(_lowp_torch, h, w) if dtype != torch.float32 else None
-                rows += common.check_rows(kernel, dtype, names, got, truth, same, margin=5e-3)
+                rows += common.check_rows(kernel, dtype, names, got, truth, same, margin=2e-3)
             except Exception as exc:  # recorded, not raised
                 rows.append(common.error_row(kernel, dtype, exc))
     return rows
