@@ -177,8 +177,8 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
 # The products with the carried state itself, f(q)·S_c (the output) and g·S_cᵀ (dq), need more:
 # with γ = 1, S ≈ z·v̄ᵀ grows with the N tokens seen, while dq = (S·g − (g·y)·z) is the size of v's
 # spread σ around its mean v̄: its two terms cancel. S rounded to bf16 (or tf32) costs dq a relative
-# error of about 2⁻⁹·√N·|v̄|/σ (0.5–0.8 at N = 8192, v̄ = σ: the PyTorch path under bf16 autocast
-# measured so before it kept this product in fp32). So in low precision (SDROP > 0) S is split into
+# error of about 2⁻⁹·√N·|v̄|/σ (0.56–0.86 at N = 8192, v̄ = σ, three seeds: the PyTorch path under
+# bf16 autocast measured so before it kept this product in fp32). So in low precision (SDROP > 0) S is split into
 # two dot operands, hi = S rounded and lo = S − hi (together S to ~2⁻¹⁷), and the other operand is
 # rounded once (:func:`_round_mantissa`) and used as rounded in both cancelling terms: f(q) in the
 # numerator and the denominator, g in g·Sᵀ and in gz = −g·y (and in the reverse recurrence's dS and
