@@ -23,12 +23,29 @@ def test_lever_verdicts():
 
 
 def test_quality_effects():
-    assert L.quality_effect(0.03) == L.LEARNS_LESS and L.quality_effect(-0.03) == L.LEARNS_MORE
-    assert L.quality_effect(0.004) == L.quality_effect(-0.004) == L.NO_EFFECT
-    assert L.quality_effect(0.01) == L.quality_effect(-0.01) == L.SMALL_EFFECT
-    assert L.quality_effect(0.02) == L.quality_effect(-0.02) == L.quality_effect(0.005) == L.SMALL_EFFECT
-    with pytest.raises(ValueError, match="NaN"):
-        L.quality_effect(float("nan"))
+    assert L.quality_effect([0.03]) == L.LEARNS_LESS and L.quality_effect([-0.03]) == L.LEARNS_MORE
+    assert L.quality_effect([0.004]) == L.quality_effect([-0.004]) == L.NO_EFFECT
+    assert L.quality_effect([0.01]) == L.quality_effect([-0.01]) == L.SMALL_EFFECT
+    assert L.quality_effect([0.02]) == L.quality_effect([-0.02]) == L.quality_effect([0.005]) == L.SMALL_EFFECT
+    assert L.quality_effect([0.05, 0.02, 0.03]) == L.LEARNS_LESS  # every seed agrees
+    assert L.quality_effect([0.08, -0.01, 0.03]) == L.quality_effect([-0.05, 0.01]) == L.SEED_NOISE
+    assert L.quality_effect([0.012, -0.004, 0.001]) == L.NO_EFFECT  # the mean decides first
+    for bad in ([float("nan"), 0.1], []):
+        with pytest.raises(ValueError, match="no quality cost"):
+            L.quality_effect(bad)
+
+
+def test_quality_cost_pairs_the_seeds():
+    run = lambda ce, bpb: {"val_ce": ce, "val_bpb": bpb}  # noqa: E731
+    with_lever = [run(5.0, 3.10), run(5.2, 3.20), run(5.1, 3.00)]
+    without = [run(4.9, 3.00), run(5.0, 3.15), run(5.0, 2.98)]
+    q = L.quality_cost(with_lever, without)
+    assert q["quality cost (Δbpb)"] == pytest.approx((0.10 + 0.05 + 0.02) / 3)
+    assert q["Δbpb low"] == pytest.approx(0.02) and q["Δbpb high"] == pytest.approx(0.10)
+    assert q["val_ce with"] == pytest.approx(5.1) and q["val_bpb without"] == pytest.approx(9.13 / 3)
+    assert q["quality effect"] == L.LEARNS_LESS
+    with pytest.raises(ValueError, match="3 runs with the lever against 2 without"):
+        L.quality_cost(with_lever, without[:2])
 
 
 def test_the_originals_profile_tables_add_up_and_map_every_component():

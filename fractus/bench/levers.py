@@ -9,7 +9,9 @@ recipe this module measures
 - peak memory of a first optimizer step (activations, gradients, optimizer state) in a fresh
   process (:func:`peak_bytes`);
 - quality: validation cross-entropy (and bits per byte, which compares across vocabularies)
-  after the same number of training tokens of the Shakespeare corpus (:func:`short_train`).
+  after the same number of training tokens of the Shakespeare corpus (:func:`short_train`),
+  from several seeds (:func:`train_many`); a lever's cost is the per-seed difference with and
+  without it (:func:`quality_cost`).
 
 :data:`LEVERS` lists the levers in the original's cumulative order with its claims as data;
 :func:`stack` builds the cumulative recipes. The notebook ``02_optimization_table`` drives it.
@@ -20,7 +22,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
@@ -223,17 +225,38 @@ def verdict(measured: float, claimed: float) -> str:
 
 
 LEARNS_LESS, LEARNS_MORE, NO_EFFECT, SMALL_EFFECT = "learns less", "learns more", "no measurable effect", "small effect"
+SEED_NOISE = "not separated from seed noise"
 LEARNS_LESS_BPB, NO_EFFECT_BPB = 0.02, 0.005  # the bands' edges in Δ bits per byte
 
 
-def quality_effect(dbpb: float) -> str:
-    """A lever's quality cost Δbpb (validation bits per byte with the lever minus without, after
-    the same tokens, one seed each): learns less above +LEARNS_LESS_BPB, more below −LEARNS_LESS_BPB,
-    no measurable effect within ± NO_EFFECT_BPB, else a small effect. ValueError on NaN."""
-    if math.isnan(dbpb):
-        raise ValueError("no quality cost measured (NaN)")
-    return (LEARNS_LESS if dbpb > LEARNS_LESS_BPB else LEARNS_MORE if dbpb < -LEARNS_LESS_BPB else
-            NO_EFFECT if abs(dbpb) < NO_EFFECT_BPB else SMALL_EFFECT)
+def quality_effect(dbpb: Sequence[float]) -> str:
+    """A lever's quality cost from its Δbpb per seed (validation bits per byte with the lever
+    minus without, after the same tokens, both runs from the same seed). On the mean: no
+    measurable effect within ± NO_EFFECT_BPB; otherwise, when the seeds disagree in sign, not
+    separated from seed noise; else learns less above +LEARNS_LESS_BPB, more below
+    −LEARNS_LESS_BPB, and a small effect between. ValueError on NaN or no seed."""
+    d = np.asarray(dbpb, dtype=float)
+    if d.size == 0 or np.isnan(d).any():
+        raise ValueError(f"no quality cost measured ({d.tolist()})")
+    mean = float(d.mean())
+    if abs(mean) < NO_EFFECT_BPB:
+        return NO_EFFECT
+    if d.min() <= 0 <= d.max():
+        return SEED_NOISE
+    return LEARNS_LESS if mean > LEARNS_LESS_BPB else LEARNS_MORE if mean < -LEARNS_LESS_BPB else SMALL_EFFECT
+
+
+def quality_cost(with_runs: list[dict], without_runs: list[dict]) -> dict:
+    """Quality with a lever against without, from :func:`train_many`'s runs of the same seeds:
+    the means of val_ce and val_bpb over the seeds, Δbpb (with − without) as its mean and its
+    lowest and highest over the seeds, and its :func:`quality_effect`."""
+    if len(with_runs) != len(without_runs) or not with_runs:
+        raise ValueError(f"{len(with_runs)} runs with the lever against {len(without_runs)} without")
+    d = [w["val_bpb"] - wo["val_bpb"] for w, wo in zip(with_runs, without_runs)]
+    mean = {f"{k} {side}": float(np.mean([r[k] for r in runs])) for k in ("val_ce", "val_bpb")
+            for side, runs in (("with", with_runs), ("without", without_runs))}
+    return {**mean, "quality cost (Δbpb)": float(np.mean(d)), "Δbpb low": min(d), "Δbpb high": max(d),
+            "quality effect": quality_effect(d)}
 
 
 def speedup(tok_s: dict[Recipe, list[float]], new: Recipe, old: Recipe) -> dict:
@@ -383,18 +406,22 @@ def _train_job(args):
     return short_train(recipe, tokens, eval_tokens, seed=seed, threads=threads)
 
 
-def train_many(recipes: list[Recipe], tokens: int, eval_tokens: int, seed: int = 0,
-               workers: int | None = None) -> list[dict]:
-    """:func:`short_train` for each recipe, in ``workers`` spawned processes of one thread each
-    (quality does not depend on threads; nothing here is timed)."""
+def train_many(recipes: list[Recipe], tokens: int, eval_tokens: int, seeds: Sequence[int] = (0,),
+               workers: int | None = None) -> dict[Recipe, list[dict]]:
+    """:func:`short_train` for each recipe from each seed, in ``workers`` spawned processes of one
+    thread each (quality does not depend on threads; nothing here is timed): each recipe's runs
+    in the order of ``seeds``."""
+    recipes = list(dict.fromkeys(recipes))
     for v in sorted({r.vocab_size for r in recipes}):
         shakespeare(v)  # prepare once, before the workers start
-    workers = workers or max(1, min(len(recipes), os.cpu_count() or 1))
-    jobs = [(r, tokens, eval_tokens, seed, 1) for r in recipes]
+    jobs = [(r, tokens, eval_tokens, s, 1) for r in recipes for s in seeds]
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     if workers == 1:
-        return [_train_job(j) for j in jobs]
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
-        return list(ex.map(_train_job, jobs))
+        out = [_train_job(j) for j in jobs]
+    else:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
+            out = list(ex.map(_train_job, jobs))
+    return {r: out[i * len(seeds):(i + 1) * len(seeds)] for i, r in enumerate(recipes)}
 
 
 # -------------------------------------------------------------------------------- GPU rows
