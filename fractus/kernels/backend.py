@@ -52,11 +52,12 @@ _POISON = False
 
 
 @contextmanager
-def poisoned():
+def poisoned(on: bool = True):
     """Inside the block :func:`empty` fills new buffers with NaN, so that elements a kernel leaves
-    unwritten fail the checks (the tests, the GPU suite's correctness stages)."""
+    unwritten fail the checks (the tests, the GPU suite's correctness stages); ``on=False`` leaves
+    them untouched (the address checks' buffers past 2³¹ elements, whose pages must stay unused)."""
     global _POISON
-    before, _POISON = _POISON, True
+    before, _POISON = _POISON, on
     try:
         yield
     finally:

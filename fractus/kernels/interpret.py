@@ -15,8 +15,13 @@ Triton kernel runs on CPU tensors, ``tests/conftest.py`` at start-up):
   of truncating and rounding).
 
 fp16 and fp32 arithmetic is left as it is: numpy already rounds them as a GPU does.
+
+:func:`address_check` (a context manager, off by default) checks kernels' offsets at sizes past 2³¹
+elements: int32 arithmetic that a GPU would wrap raises, and each launch runs only its last programs.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import numpy as np
 import triton.language as tl
@@ -157,3 +162,79 @@ def install() -> None:
 
     R.sum, R.min_max = on_values(R.sum), on_values(R.min_max)
     S.cumsum, S.cumprod = on_values(S.cumsum), on_values(S.cumprod)
+
+
+_WRAPPING = {np.add: "+", np.subtract: "-", np.multiply: "*", np.left_shift: "<<"}
+
+
+def _int32_range_error(what: str, exact: np.ndarray) -> OverflowError:
+    bad = exact[(exact < -2**31) | (exact >= 2**31)]
+    return OverflowError(f"int32 {what} overflows ({bad.size} elements, e.g. {int(bad.flat[0])}): a GPU "
+                         "wraps it to a wrong offset; cast an operand to tl.int64")
+
+
+@contextmanager
+def address_check(last: int = 1):
+    """Inside the block, interpreted launches check the integer arithmetic of their offsets at sizes
+    past 2³¹ elements, cheaply:
+
+    - an int32 ``+ - * <<`` whose exact result leaves int32, or an int64 → int32 cast out of range,
+      raises OverflowError (a GPU wraps the value: a wrong address, read or written silently);
+    - each launch runs only its last ``last`` programs along grid axis 0 (the last along the others):
+      the largest offsets. ``tl.program_id`` and ``tl.num_programs`` report the full grid.
+
+    So the buffers of such a call can come from ``torch.empty`` unpoisoned: the pages nobody touches
+    cost no memory. The results are garbage (the other programs never ran); only the raising counts.
+    """
+    B, G = _Builder, _interp.GridExecutor
+    if getattr(G.__call__, "address_check", False):
+        raise RuntimeError("address_check is already on: its launches would select programs twice")
+    saved = (B.binary_op, B.create_int_cast, B.create_get_program_id, B.create_get_num_programs, G.__call__)
+    binary, int_cast, run = saved[0], saved[1], saved[4]
+    grid, programs = (1, 1, 1), []  # the launch's full grid, the programs that run
+
+    def binary_op(self, lhs, rhs, op):
+        out = binary(self, lhs, rhs, op)
+        if op in _WRAPPING and out.dtype == tl.int32:
+            exact = op(lhs.data.astype(np.int64), rhs.data.astype(np.int64))
+            if np.any(exact != out.data):
+                raise _int32_range_error(f"'{_WRAPPING[op]}'", exact)
+        return out
+
+    def create_int_cast(self, src, dst_type, is_signed):
+        if dst_type.scalar == tl.int32 and src.data.dtype.itemsize == 8:
+            exact = src.data.astype(np.int64)
+            if np.any((exact < -2**31) | (exact >= 2**31)):
+                raise _int32_range_error("cast", exact)
+        return int_cast(self, src, dst_type, is_signed)
+
+    def program_id(self, axis):
+        return _Handle(np.array([programs[self.grid_idx[0]][axis]], dtype=np.int32), tl.int32)
+
+    def num_programs(self, axis):
+        return _Handle(np.array([grid[axis]], dtype=np.int32), tl.int32)
+
+    def call(self, *args, **kwargs):
+        full = self.grid
+
+        def chosen(meta):
+            nonlocal grid, programs
+            g = tuple(full(meta) if callable(full) else full)
+            grid = g + (1,) * (3 - len(g))
+            programs = [(x, grid[1] - 1, grid[2] - 1) for x in range(max(0, grid[0] - last), grid[0])]
+            return (len(programs) if min(grid) > 0 else 0,)
+
+        self.grid = chosen
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            self.grid = full
+
+    call.address_check = True
+    B.binary_op, B.create_int_cast, B.create_get_program_id, B.create_get_num_programs, G.__call__ = (
+        binary_op, create_int_cast, program_id, num_programs, call)
+    try:
+        yield
+    finally:
+        (B.binary_op, B.create_int_cast, B.create_get_program_id, B.create_get_num_programs,
+         G.__call__) = saved

@@ -519,7 +519,7 @@ def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr,
         n = (b * LV + l) * H + h
         S, z = _load_state(s0_ptr, z0_ptr, n, D, BD, HAS_INIT)
         for t in range(T):
-            off = base + t * H * D + rd
+            off = base + tl.cast(t, tl.int64) * H * D + rd
             fq = _feature(tl.load(q_ptr + off, mask=dmask, other=0.0).to(tl.float32), om, dmask)
             fk = _feature(tl.load(k_ptr + off, mask=dmask, other=0.0).to(tl.float32), om, dmask)
             vx = tl.load(v_ptr + off, mask=dmask, other=0.0).to(tl.float32)
