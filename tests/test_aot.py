@@ -189,6 +189,39 @@ assert not missing and len(needed) > 100
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def test_the_offsets_checks_precompile_at_sizes_specialised_alike():
+    """The GPU suite's checks past 2³¹ elements are precompiled at small sizes (:func:`offsets._long`):
+    captured there, they launch every kernel of the four ops, and the attention's case compiles
+    the same 5 kernels at its full size (inputs from ``torch.empty``, never touched: nothing runs) as
+    at that small one (the states kernel twice: the forward's chunks and the backward's), and other
+    kernels at a size of another class (16: divisible by 16)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = """
+import torch
+from fractus.bench import aot, offsets
+from fractus.kernels import backend, linear_attention as la
+from fractus.model import level_omegas
+names = {L.name for L in aot.launches(ops=(), extras=("offsets",))}
+assert names == set().union(*(aot.kernel_names(op) for op in aot.OPS)) - {"_la_decode_kernel", "_gmm_kernel",
+                                                                         "_gmm_wgrad_kernel"}, names
+
+def keys(B, make):
+    out = []
+    with aot.capture(la, "la", torch.bfloat16, out), aot.triton_on_cpu(backend):
+        q, k, v = (make(B, 128, 2, 32).requires_grad_() for _ in range(3))
+        o, _ = la.linear_attention(q, k, v, torch.ones(1), level_omegas(1), decay=torch.full((2,), 0.9),
+                                   backend="triton")
+        o.backward(make(B, 128, 2, 32))
+    return {aot.compile_key(L, fn, kw) for L, fn, kw in aot._compiles(out, all_configs=False)}
+full = offsets.PAST // (128 * 2 * 32) + 1
+small = keys(offsets._long(full, "capture", 0), lambda *s: torch.randn(*s).bfloat16())
+assert len(small) == 5 and keys(full, lambda *s: torch.empty(*s, dtype=torch.bfloat16)) == small
+assert keys(16, lambda *s: torch.randn(*s).bfloat16()) != small
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_precompile_stops_workers_that_outlive_its_timeout():
     """A stuck worker must not hold the GPU suite: after ``timeout_s`` the workers are stopped, a
     row says so, and the process goes on (and exits)."""

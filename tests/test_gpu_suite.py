@@ -21,7 +21,8 @@ def dry_run(tmp_path_factory):
 def test_gpu_suite_dry_run(dry_run):
     tmp_path, tables = dry_run
     assert tables["failures"].empty, tables["failures"].to_dict("records")
-    for name in ["ceilings", "precompile", "trainer_resume", "train_throughput", "generation", "levers", "profile"] + [
+    for name in ["ceilings", "precompile", "trainer_resume", "train_throughput", "generation", "levers", "profile",
+                 "correctness_offsets"] + [
             f"{s}_{k}" for k in (*KERNELS, "kuramoto") for s in ("correctness", "timing")]:
         df = pd.read_csv(tmp_path / f"{name}.csv")
         assert len(df) and {"git_sha", "device", "torch", "triton", "date"} <= set(df.columns), name
@@ -55,8 +56,12 @@ def test_gpu_suite_dry_run(dry_run):
     for k in (*KERNELS, "kuramoto"):  # every timing with its derived rates
         t = pd.read_csv(tmp_path / f"timing_{k}.csv").dropna(subset=["time_s"])
         assert len(t) and (t[["time_s", "tflops", "gbps"]] > 0).all().all(), k
+    offsets = pd.read_csv(tmp_path / "correctness_offsets.csv")  # the same code paths, at small sizes
+    assert offsets["passed"].all() and len(offsets) == 16, offsets.to_dict("records")
+    assert offsets["kernel"].str.split("[").str[0].nunique() == 4
     targets = pd.read_csv(tmp_path / "targets.csv").set_index("target")  # one table of the issues' targets
     assert targets.loc["every kernel correct (fp32 and bf16 vs the fp32 truth)", "met"]
+    assert targets.loc["every kernel correct at offsets past 2^31 elements (the last rows vs the reference)", "met"]
     assert targets.loc["the trainer on the device: stopped + --resume equals one run", "met"]
     assert targets.loc["moe: >=5x vs per-expert loop", "met"].notna().all()  # measured (tiny sizes: any verdict)
     assert pd.notna(targets.loc["linear_attention: decode >= 10x the PyTorch path", "met"])
@@ -309,6 +314,18 @@ def test_a_failing_moe_implementation_keeps_the_others_rows(monkeypatch):
     tri = [r for r in rows if r["impl"] == "triton" and r["kind"] == "lowrank"]
     assert all(r["time_s"] > 0 and r["speedup_vs_torch"] > 0 and "target_met" not in r for r in tri)
     assert all(r["target"] == ">=5x vs per-expert loop" for r in tri)
+
+
+def test_an_offsets_case_that_fails_keeps_the_others_rows(monkeypatch):
+    from fractus.bench import offsets
+
+    def fail(device, scale, gen):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setitem(offsets.CASES, "moe", fail)
+    rows = offsets.correctness_rows("cpu", smoke=True)
+    bad = [r for r in rows if not r["passed"]]
+    assert [r["kernel"] for r in bad] == ["moe[offsets past 2^31]"] and "OutOfMemoryError" in bad[0]["check"]
+    assert len(rows) == 14 and {r["kernel"].split("[")[0] for r in rows} == set(offsets.CASES)
 
 
 def test_the_outcome_is_written_after_every_stage(tmp_path, monkeypatch):

@@ -13,8 +13,9 @@ correctness and speed still need the device (``python -m fractus.bench gpu``).
 Run it with ``TRITON_INTERPRET`` unset (the CLI checks): the kernels must be real JIT functions.
 :func:`precompile` compiles the same captured launches in parallel processes into Triton's
 on-disk cache, for the GPU at hand: a stage of the GPU suite before its checks, with what its
-stages launch beyond the ops' own (:data:`EXTRAS`: the attention's chunk-64 backward, and fla's
-kernels when it is installed, so that its autotuning loads binaries too).
+stages launch beyond the ops' own (:data:`EXTRAS`: the attention's chunk-64 backward, the checks
+at offsets past 2³¹ elements, and fla's kernels when it is installed, so that its autotuning loads
+binaries too).
 """
 from __future__ import annotations
 
@@ -183,10 +184,18 @@ def _run_bwd64():
         _fwd_bwd("triton_bwd64", q, k, v, w, level_omegas(2))
 
 
+def _run_offsets():
+    """The suite's checks at offsets past 2³¹ elements (:mod:`fractus.bench.offsets`) at sizes
+    that Triton specialises as the full ones."""
+    from fractus.bench import offsets
+    offsets.run_cases("cpu", "capture")
+
+
 # what the GPU suite launches beside the ops' and the presets' steps: (module, what to run); every
-# module of the module's package is captured. The baselines it times side by side (when installed)
-# and the attention's chunk-64 backward variant.
-EXTRAS = {"fla": ("fla.ops.linear_attn", _run_fla), "bwd64": ("fractus.kernels.linear_attention", _run_bwd64)}
+# module of the module's package is captured. The baselines it times side by side (when installed),
+# the attention's chunk-64 backward variant and the checks at offsets past 2³¹ elements.
+EXTRAS = {"fla": ("fla.ops.linear_attn", _run_fla), "bwd64": ("fractus.kernels.linear_attention", _run_bwd64),
+          "offsets": ("fractus.bench.offsets", _run_offsets)}
 PRESETS = ("palier0", "palier1", "palier2", "palier3", "1b")
 
 

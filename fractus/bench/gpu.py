@@ -10,6 +10,7 @@
 4. each kernel timed against its baselines (fla / Liger side by side when installed, and
    torch.compile: these compile and autotune, so they come after the training target), then
    tick-by-tick generation tokens/s, the lever stack and the profiler breakdown (notebooks 01, 02);
+   last, every kernel once at offsets past 2³¹ elements (:mod:`fractus.bench.offsets`);
 5. CSVs under ``results/gpu/`` (read by the notebooks), ``targets.csv`` (each target of the
    issues: met, missed or not measured) and a summary printed last (a pass/fail table per kernel
    and dtype, the training sweep, generation, the targets).
@@ -41,7 +42,7 @@ import pandas as pd
 import torch
 
 from fractus.atomic import atomic_open
-from fractus.bench import aot, common, levers, profile
+from fractus.bench import aot, common, levers, offsets, profile
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
 from fractus.bench.costmodel import H200_DATASHEET, H200_NVL_BF16_TFLOPS, flops_per_token
 from fractus.bench.train import measure_training
@@ -300,6 +301,8 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
     fns["generation"] = lambda: generation_rows(device, dry_run)
     fns["levers"] = lambda: levers.gpu_rows(smoke=dry_run)
     fns["profile"] = lambda: profile.gpu_rows(smoke=dry_run)
+    # last: tens of GB per case, and the suite's other checks do not wait for it
+    fns["correctness_offsets"] = lambda: poisoned(lambda: offsets.correctness_rows(device, smoke=dry_run))
     return fns
 
 
@@ -482,12 +485,16 @@ def target_rows(tables: dict[str, pd.DataFrame]) -> list[dict]:
     """The targets in one table: every kernel check passed, each timing table's target rows (the
     kernel issues'), and the training target (best tok/s and MFU of the sweep for its preset);
     ``met`` is empty where it was not measured."""
-    checks = [t for name, t in tables.items() if name.startswith("correctness_")]
+    checks = [t for name, t in tables.items() if name.startswith("correctness_") and name != "correctness_offsets"]
     c = pd.concat(checks, ignore_index=True) if checks else pd.DataFrame({"passed": []})
     complete = len(checks) == len(KERNELS) + 1
     rows = [{"target": "every kernel correct (fp32 and bf16 vs the fp32 truth)",
              "case": f"{int(c['passed'].sum())}/{len(c)} checks in {len(checks)}/{len(KERNELS) + 1} stages",
              "met": bool(c["passed"].all()) and complete if checks else None}]
+    t = tables.get("correctness_offsets")
+    rows.append({"target": "every kernel correct at offsets past 2^31 elements (the last rows vs the reference)",
+                 "case": "" if t is None else f"{int(t['passed'].sum())}/{len(t)} checks",
+                 "met": None if t is None else bool(t["passed"].all()), "note": "not measured" if t is None else ""})
     for name, t in tables.items():
         if not name.startswith("timing_") or "target" not in t:
             continue

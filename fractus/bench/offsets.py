@@ -1,0 +1,181 @@
+"""The kernels at offsets past 2³¹ elements on the device (the GPU suite's ``correctness_offsets``).
+
+Each op runs once on inputs whose element offsets leave int32 (a GPU wraps an int32 offset
+silently); its outputs and per-row gradients at the end of the buffers (the largest offsets) are
+checked against the reference run on those rows alone (fp64; the cross-entropy's fp32, as in its
+other checks) by the low-precision rule: error ≤ the same-dtype PyTorch path's on those rows +
+1e-2 (bf16). ``tests/test_offsets.py``
+checks the kernels' integer arithmetic for such wraps in the interpreter; this checks what the
+GPU's compiler made of it. Gradients that sum over every row (level and expert weights) are not
+checked. The dry run takes the same code paths at tiny sizes (nothing there passes 2³¹), and the
+suite's precompile captures the cases at a size that Triton specialises as the full one (see
+:func:`_long`), so that they load binaries instead of compiling.
+
+Peak device memory per case, counted (not measured): attention about 60 GB, cross-entropy 30 GB,
+MoE 55 GB (bf16), the clock 60 GB (fp32); an H200 has 141 GB.
+"""
+from __future__ import annotations
+
+import torch
+
+from fractus.bench import common
+from fractus.kernels.cross_entropy import linear_cross_entropy
+from fractus.kernels.kuramoto import kuramoto_phase, kuramoto_phase_reference
+from fractus.kernels.linear_attention import linear_attention
+from fractus.kernels.moe import moe
+from fractus.model import level_omegas
+
+PAST = 2 ** 31  # elements: the first offset int32 cannot hold
+TAIL = 4  # sequences, tokens or rows checked at the end of each buffer
+MARGIN = 1e-2  # bf16, as the suite's other correctness checks
+
+
+def _randn(*shape, gen, device, dtype=torch.float32, scale=1.0, mean=0.0):
+    return mean + scale * torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+
+def _long(full: int, scale: str, smoke: int) -> int:
+    """A case's long dimension: ``full`` (past 2³¹ elements), ``smoke`` (the dry run's), or for
+    ``capture`` a small one of the same class where Triton specialises integer arguments (equal to 1,
+    divisible by 16, neither): the same compiles as the full size."""
+    return {"full": full, "smoke": smoke, "capture": 16 + full % 16}[scale]
+
+
+def _label(scale: str) -> str:
+    return "offsets past 2^31" if scale == "full" else f"offsets ({scale}: small)"
+
+
+def _tails(*xs):
+    """The last TAIL rows of each, copied (a view would keep the whole buffer)."""
+    return [x[-TAIL:].detach().clone() for x in xs]
+
+
+def _rows(kernel, dtype, names, got, truth, same):
+    return common.check_rows(kernel, dtype, names, got, truth, same, margin=MARGIN, truth_name="fp64 reference")
+
+
+def attention_rows(device, scale: str, gen) -> list[dict]:
+    """Chunked forward and backward over B sequences of [T, H, D] with B·T·H·D past 2³¹, one level
+    with decay, no state: o, the final (S, z), dq, dk, dv of the last sequences."""
+    T, H, D = (40, 2, 32) if scale == "smoke" else (128, 2, 32)
+    B = _long(PAST // (T * H * D) + 1, scale, 6)
+    dtype, oms = torch.bfloat16, level_omegas(1)
+    q, k, v, do = (_randn(B, T, H, D, gen=gen, device=device, dtype=dtype) for _ in range(4))
+    w = torch.ones(1, device=device)
+    g = torch.full((H,), 0.9, device=device)
+
+    def run(backend, dt, rows=slice(None)):
+        sdt = torch.float64 if dt == torch.float64 else torch.float32  # weights, decay and state
+        leaves = [x[rows].detach().to(dt).requires_grad_() for x in (q, k, v)]
+        o, (S, z) = linear_attention(*leaves, w.to(sdt), oms, decay=g.to(sdt), backend=backend)
+        return _tails(o, S, z, *torch.autograd.grad(o, leaves, do[rows].to(o.dtype)))
+    got = run("triton", dtype)
+    tail = slice(B - TAIL, B)
+    kernel = f"linear_attention[{_label(scale)}: B={B} T={T} H={H} D={D}]"
+    return _rows(kernel, dtype, ("o", "S", "z", "dq", "dk", "dv"), got, run("reference", torch.float64, tail),
+                 run("torch", dtype, tail))
+
+
+def _cross_entropy_case(device, scale: str, gen, case: str, N: int, V: int, d: int) -> list[dict]:
+    """One call of the fused loss, summed (so a row's gradient is its own): "rows", per-token loss and
+    dH of the last rows; "vocabulary", the loss, dH of every row and dW of the last vocab rows."""
+    dtype = torch.bfloat16
+    h = _randn(N, d, gen=gen, device=device, dtype=dtype)
+    w = _randn(V, d, gen=gen, device=device, dtype=dtype, scale=0.02)
+    t = torch.randint(0, V, (N,), generator=gen, device=device)
+    dw_wanted = case == "vocabulary"
+
+    def run(backend, dt, rows=slice(None)):
+        hh = h[rows].detach().to(dt).requires_grad_()
+        ww = w.detach().to(dt).requires_grad_(dw_wanted)
+        loss, ce = linear_cross_entropy(hh, ww, t[rows], reduction="sum", return_per_token=True, backend=backend)
+        grads = torch.autograd.grad(loss, [hh, ww] if dw_wanted else [hh])
+        return _tails(ce, grads[0]) if case == "rows" else [loss.detach(), grads[0], *_tails(grads[1])]
+    sel = slice(N - TAIL, N) if case == "rows" else slice(None)
+    names = ("ce", "dh") if case == "rows" else ("loss", "dh", "dW")
+    kernel = f"cross_entropy[{_label(scale)} ({case}): N={N} d={d} V={V}]"
+    return common.check_rows(kernel, dtype, names, run("triton", dtype), run("reference", torch.float32, sel),
+                             run("torch", dtype, sel), margin=MARGIN)
+
+
+def cross_entropy_rows(device, scale: str, gen) -> list[dict]:
+    """Two calls: N·d past 2³¹ ("rows"), then V·d past 2³¹ ("vocabulary")."""
+    smoke = scale == "smoke"
+    d = 32 if smoke else 1280
+    return (_cross_entropy_case(device, scale, gen, "rows", _long(PAST // d + 1, scale, 50), 64 if smoke else 1024, d)
+            + _cross_entropy_case(device, scale, gen, "vocabulary", 16 if smoke else 256,
+                                  _long(PAST // d + 1, scale, 70), d))
+
+
+def moe_rows(device, scale: str, gen) -> list[dict]:
+    """Low-rank experts, forward and backward, x [N, d] with N·d past 2³¹ (the per-slot rows
+    [N·K, d] twice that): y, dx and the gate weights' gradient of the last tokens."""
+    d, E, F, r, K = (32, 4, 48, 16, 2) if scale == "smoke" else (1280, 8, 512, 64, 2)
+    N = _long(PAST // d + 1, scale, 40)
+    dtype = torch.bfloat16
+    rnd = dict(gen=gen, device=device)
+    ex = dict(V1=_randn(E, d, r, **rnd, scale=d ** -0.5), U1=_randn(E, F, r, **rnd, scale=r ** -0.5),
+              b1=_randn(E, F, **rnd, scale=0.1), s1=_randn(E, **rnd, mean=1.0, scale=0.1),
+              V2=_randn(E, F, r, **rnd, scale=F ** -0.5), U2=_randn(E, d, r, **rnd, scale=r ** -0.5),
+              b2=_randn(E, d, **rnd, scale=0.1), s2=_randn(E, **rnd, mean=1.0, scale=0.1))
+    x = _randn(N, d, gen=gen, device=device, dtype=dtype)
+    idx = torch.rand(N, E, generator=gen, device=device).topk(K, dim=1).indices
+    gate = torch.softmax(_randn(N, K, gen=gen, device=device), -1)
+    dy = _randn(N, d, gen=gen, device=device, dtype=dtype)
+
+    def run(backend, dt, rows=slice(None)):
+        xx, ww = (a[rows].detach().to(dt).requires_grad_() for a in (x, gate))
+        y = moe(xx, idx[rows], ww, {k: v.to(dt) for k, v in ex.items()}, backend=backend)
+        return _tails(y, *torch.autograd.grad(y, (xx, ww), dy[rows].to(y.dtype)))
+    tail = slice(N - TAIL, N)
+    kernel = f"moe[{_label(scale)}: N={N} d={d} E={E} F={F} r={r} K={K}]"
+    return _rows(kernel, dtype, ("y", "dx", "dw"), run("triton", dtype), run("reference", torch.float64, tail),
+                 run("torch", dtype, tail))
+
+
+def kuramoto_rows(device, scale: str, gen) -> list[dict]:
+    """The clock in fp32 (its only dtype), forward and backward, θ⁰ [M, N] with M·N past 2³¹: ψ and
+    dθ⁰ of the last rows, against fp64 autograd, fp32 autograd's error + 1e-4 allowed."""
+    N, r = (8, 4) if scale == "smoke" else (16, 8)
+    M = _long(PAST // N + 1, scale, 40)
+    theta0 = _randn(M, N, gen=gen, device=device, scale=3.0)
+    omega, U = _randn(N, gen=gen, device=device, scale=0.3), _randn(N, r, gen=gen, device=device, scale=N ** -0.5)
+    lam = 0.5 + torch.rand(r, generator=gen, device=device)
+    dpsi = _randn(M, gen=gen, device=device)
+    dt, steps, damping = 0.1, 2, 0.1
+
+    def run(fn, dt_, rows=slice(None)):
+        th = theta0[rows].detach().to(dt_).requires_grad_()
+        psi = fn(th, *(a.to(dt_) for a in (omega, U, lam)), dt, steps, damping)
+        return _tails(psi, *torch.autograd.grad(psi, th, dpsi[rows].to(dt_)))
+    tail = slice(M - TAIL, M)
+    got = run(lambda *a: kuramoto_phase(*a, backend="triton"), torch.float32)
+    return common.check_rows(f"kuramoto_phase[{_label(scale)}: M={M} N={N}]", torch.float32, ("psi", "dtheta"),
+                             got, run(kuramoto_phase_reference, torch.float64, tail),
+                             run(kuramoto_phase_reference, torch.float32, tail), margin=1e-4,
+                             truth_name="fp64 autograd")
+
+
+CASES = {"linear_attention": attention_rows, "cross_entropy": cross_entropy_rows, "moe": moe_rows,
+         "kuramoto_phase": kuramoto_rows}
+
+
+def run_cases(device, scale: str) -> list[dict]:
+    """Every case at ``scale`` ("full", "smoke" or "capture"), exceptions raised."""
+    return [r for fn in CASES.values() for r in fn(torch.device(device), scale, torch.Generator(device).manual_seed(0))]
+
+
+def correctness_rows(device, smoke: bool = False) -> list[dict]:
+    """Every op's case (each freeing its buffers before the next); an op that raises (out of
+    memory, say) is recorded as a failed row and the others still run."""
+    device = torch.device(device)
+    rows = []
+    for name, fn in CASES.items():
+        gen = torch.Generator(device).manual_seed(0)
+        try:
+            rows += fn(device, "smoke" if smoke else "full", gen)
+        except Exception as exc:  # recorded, not raised
+            rows.append(common.error_row(f"{name}[offsets past 2^31]", torch.bfloat16, exc))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
