@@ -215,3 +215,10 @@ def test_kuramoto():
         psi = kuramoto_phase(theta0, omega, U, lam, 0.1, 1, 0.0, backend="triton")
         psi.backward(big(M, dtype=torch.float32))
     assert theta0.grad.shape == theta0.shape
+
+
+def test_moe_refuses_routing_past_int32():
+    """The routing's row offsets and tiles are int32: 2³¹ (token, slot) pairs are refused from the
+    shape (the ids, 16 GiB of address space, are never read)."""
+    with pytest.raises(ValueError, match="int32"):
+        _Route(big(2 ** 30, 2, dtype=torch.int64), 8, _block_m())

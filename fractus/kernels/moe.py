@@ -479,11 +479,15 @@ class _Route:
 
     order [NK]: flat (token, slot) ids sorted by expert; stok = order // K; sexp: their
     experts; offs [E + 1]: row offsets per expert; tiles: (expert, lo, hi) for at most
-    ceil(NK / BM) + E row blocks, unused ones empty (lo == hi).
+    ceil(NK / BM) + E row blocks, unused ones empty (lo == hi). The offsets and tiles are int32:
+    NK + BM must stay below 2³¹ (ValueError otherwise, from the shape alone).
     """
 
     def __init__(self, idx: torch.Tensor, E: int, BM: int):
         N, K = idx.shape
+        if N * K + BM >= 2 ** 31:
+            raise ValueError(f"the Triton MoE routes fewer than 2³¹ − {BM} (token, slot) pairs per call (its "
+                             f"row offsets are int32), got {N} tokens × {K} slots: split the tokens")
         flat = idx.reshape(-1)
         self.sexp, order = torch.sort(flat, stable=True)
         self.order = order
