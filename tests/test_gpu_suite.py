@@ -324,7 +324,7 @@ def test_an_offsets_case_that_fails_keeps_the_others_rows(monkeypatch):
     monkeypatch.setitem(offsets.CASES, "moe", fail)
     rows = offsets.correctness_rows("cpu", smoke=True)
     bad = [r for r in rows if not r["passed"]]
-    assert [r["kernel"] for r in bad] == ["moe[offsets past 2^31]"] and "OutOfMemoryError" in bad[0]["check"]
+    assert [r["kernel"] for r in bad] == ["moe[offsets (smoke: small)]"] and "OutOfMemoryError" in bad[0]["check"]
     assert len(rows) == 14 and {r["kernel"].split("[")[0] for r in rows} == set(offsets.CASES)
 
 

@@ -4,12 +4,12 @@ Each op runs once on inputs whose element offsets leave int32 (a GPU wraps an in
 silently); its outputs and per-row gradients at the end of the buffers (the largest offsets) are
 checked against the reference run on those rows alone (fp64; the cross-entropy's fp32, as in its
 other checks) by the low-precision rule: error ≤ the same-dtype PyTorch path's on those rows +
-1e-2 (bf16). ``tests/test_offsets.py``
-checks the kernels' integer arithmetic for such wraps in the interpreter; this checks what the
-GPU's compiler made of it. Gradients that sum over every row (level and expert weights) are not
-checked. The dry run takes the same code paths at tiny sizes (nothing there passes 2³¹), and the
-suite's precompile captures the cases at a size that Triton specialises as the full one (see
-:func:`_long`), so that they load binaries instead of compiling.
+1e-2 (bf16). ``tests/test_offsets.py`` checks the kernels' integer arithmetic for such wraps in
+the interpreter; this checks what the GPU's compiler made of it. Gradients that sum over every
+row (level and expert weights) are not checked. The dry run takes the same code paths at tiny
+sizes (nothing there passes 2³¹), and the suite's precompile captures the cases at a size that
+Triton specialises as the full one (see :func:`_long`), so that they load binaries instead of
+compiling.
 
 Peak device memory per case, counted (not measured): attention about 60 GB, cross-entropy 30 GB,
 MoE 55 GB (bf16), the clock 60 GB (fp32); an H200 has 141 GB.
@@ -168,14 +168,14 @@ def run_cases(device, scale: str) -> list[dict]:
 def correctness_rows(device, smoke: bool = False) -> list[dict]:
     """Every op's case (each freeing its buffers before the next); an op that raises (out of
     memory, say) is recorded as a failed row and the others still run."""
-    device = torch.device(device)
+    device, scale = torch.device(device), "smoke" if smoke else "full"
     rows = []
     for name, fn in CASES.items():
         gen = torch.Generator(device).manual_seed(0)
         try:
-            rows += fn(device, "smoke" if smoke else "full", gen)
+            rows += fn(device, scale, gen)
         except Exception as exc:  # recorded, not raised
-            rows.append(common.error_row(f"{name}[offsets past 2^31]", torch.bfloat16, exc))
+            rows.append(common.error_row(f"{name}[{_label(scale)}]", torch.bfloat16, exc))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
