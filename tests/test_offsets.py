@@ -89,6 +89,36 @@ def test_the_check_raises_on_narrowing_casts():
             _cast_kernel[(4,)](out, 2 ** 30)
 
 
+@triton.jit
+def _loop_kernel(x_ptr, n, STRIDE: tl.constexpr, WIDE: tl.constexpr):
+    if WIDE:
+        n = n.to(tl.int64)
+    for i in range(n):
+        tl.store(x_ptr + i * STRIDE, 1.0)
+
+
+def test_the_check_types_loop_variables():
+    """A loop variable is int32 on a GPU, int64 when a bound is: ``i * STRIDE`` past 2³¹ wraps
+    there, where the interpreter's Python int does not. The kernel's module is left as it was."""
+    x = big(PAST + 1)
+    _loop_kernel[(1,)](x, 5, STRIDE=2 ** 29, WIDE=False)  # outside the check: a Python int, no wrap
+    with interpret.address_check():
+        _loop_kernel[(1,)](x, 4, STRIDE=2 ** 29, WIDE=False)
+        with pytest.raises(InterpreterError, match=r"int32 '\*' overflows"):
+            _loop_kernel[(1,)](x, 5, STRIDE=2 ** 29, WIDE=False)
+        _loop_kernel[(1,)](x, 5, STRIDE=2 ** 29, WIDE=True)
+    assert x[::2 ** 29].eq(1).all() and "range" not in globals()
+
+
+def test_the_check_installs_the_emulation_first(monkeypatch):
+    """Its builder is restored on exit: were the emulation installed inside the block (the first
+    Triton op on CPU tensors installs it), the exit would undo it for good."""
+    calls = []
+    monkeypatch.setattr(interpret, "install", lambda: calls.append(1))
+    with interpret.address_check():
+        assert calls == [1]
+
+
 # (B, T, H, D): many sequences (b·T·H·D past 2³¹), or one long sequence (t·H·D past 2³¹ within it)
 CHUNKED = {"many sequences": (PAST // (64 * 64) + 1, 64, 1, 64), "one sequence": (1, 128, PAST // (127 * 16) + 1, 16)}
 DECODE = {"many sequences": (PAST // (16 * 16) + 1, 16, 1, 16), "one sequence": (1, 16, PAST // (15 * 16) + 1, 16)}
@@ -135,14 +165,16 @@ def test_cross_entropy_every_row():
     assert h.grad.shape == h.shape
 
 
-def test_cross_entropy_positions():
-    """Scored positions at the end of an h past 2³¹ elements: forward and dW (h frozen: its
-    gradient would be a zero-filled [N, d])."""
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_cross_entropy_positions(dtype):
+    """Scored positions at the end of an h past 2³¹ elements, given as int32 (row offsets from them
+    would wrap) or int64: forward and dW (h frozen: its gradient would be a zero-filled [N, d])."""
     N, d, V = PAST // 64 + 1, 64, 100
     h = big(N, d, dtype=torch.float32)
     w = torch.randn(V, d, requires_grad=True)
     with interpret.address_check():
-        loss = linear_cross_entropy(h, w, torch.zeros(N, dtype=torch.int64), positions=torch.arange(N - 40, N),
+        loss = linear_cross_entropy(h, w, torch.zeros(N, dtype=torch.int64),
+                                    positions=torch.arange(N - 40, N, dtype=dtype),
                                     backend="triton")
         loss.backward()
     assert w.grad.shape == w.shape

@@ -164,6 +164,7 @@ def install() -> None:
     S.cumsum, S.cumprod = on_values(S.cumsum), on_values(S.cumprod)
 
 
+_NONE = object()
 _WRAPPING = {np.add: "+", np.subtract: "-", np.multiply: "*", np.left_shift: "<<"}
 
 
@@ -173,19 +174,39 @@ def _int32_range_error(what: str, exact: np.ndarray) -> OverflowError:
                          "wraps it to a wrong offset; cast an operand to tl.int64")
 
 
+def _scalar(value: int, ty) -> tl.tensor:
+    return tl.tensor(_Handle(np.array([value], dtype=np.int64 if ty == tl.int64 else np.int32), ty), ty)
+
+
+def _typed_range(*bounds):
+    """A kernel's ``range`` as a GPU compiles it: the loop variable an int32 scalar (int64 when a
+    bound is), where the interpreter's is a Python int that never wraps (``i * BLOCK`` past 2³¹)."""
+    ty = tl.int64 if any(isinstance(b, tl.tensor) and b.dtype == tl.int64 for b in bounds) else tl.int32
+    values = [int(b.handle.data.item()) if isinstance(b, tl.tensor) else int(getattr(b, "value", b))
+              for b in bounds]
+    for i in range(*values):
+        yield _scalar(i, ty)
+
+
 @contextmanager
 def address_check(last: int = 1):
     """Inside the block, interpreted launches check the integer arithmetic of their offsets at sizes
     past 2³¹ elements, cheaply:
 
     - an int32 ``+ - * <<`` whose exact result leaves int32, or an int64 → int32 cast out of range,
-      raises OverflowError (a GPU wraps the value: a wrong address, read or written silently);
+      raises OverflowError (a GPU wraps the value: a wrong address, read or written silently). Lanes
+      a mask turns off count too (a GPU computes their offsets and does not use them): the check
+      errs on the side of raising;
+    - the loop variable of ``range`` in the launched kernel's module is an int32 scalar (int64 when
+      a bound is), as on a GPU, not a Python int: ``i * BLOCK`` is checked too;
     - each launch runs only its last ``last`` programs along grid axis 0 (the last along the others):
       the largest offsets. ``tl.program_id`` and ``tl.num_programs`` report the full grid.
 
     So the buffers of such a call can come from ``torch.empty`` unpoisoned: the pages nobody touches
     cost no memory. The results are garbage (the other programs never ran); only the raising counts.
+    :func:`install` runs first (restoring the builder on exit must not undo it).
     """
+    install()
     B, G = _Builder, _interp.GridExecutor
     if getattr(G.__call__, "address_check", False):
         raise RuntimeError("address_check is already on: its launches would select programs twice")
@@ -225,10 +246,17 @@ def address_check(last: int = 1):
             return (len(programs) if min(grid) > 0 else 0,)
 
         self.grid = chosen
+        scope = self.fn.__globals__  # the kernel's module, where its ``range`` is looked up
+        own = scope.get("range", _NONE)
+        scope["range"] = _typed_range
         try:
             return run(self, *args, **kwargs)
         finally:
             self.grid = full
+            if own is _NONE:
+                del scope["range"]
+            else:
+                scope["range"] = own
 
     call.address_check = True
     B.binary_op, B.create_int_cast, B.create_get_program_id, B.create_get_num_programs, G.__call__ = (

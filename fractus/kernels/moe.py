@@ -479,8 +479,9 @@ class _Route:
 
     order [NK]: flat (token, slot) ids sorted by expert; stok = order // K; sexp: their
     experts; offs [E + 1]: row offsets per expert; tiles: (expert, lo, hi) for at most
-    ceil(NK / BM) + E row blocks, unused ones empty (lo == hi). The offsets and tiles are int32:
-    NK + BM must stay below 2³¹ (ValueError otherwise, from the shape alone).
+    ceil(NK / BM) + E row blocks, unused ones empty (lo == hi == 0). The offsets and tiles are
+    int32 and a tile's rows lo + [0, BM) too: NK + BM must stay below 2³¹ (ValueError otherwise,
+    from the shape alone).
     """
 
     def __init__(self, idx: torch.Tensor, E: int, BM: int):
@@ -503,8 +504,8 @@ class _Route:
         te = torch.searchsorted(tcum, t, right=True)
         valid = te < E
         te = te.clamp(max=E - 1)
-        lo = ends[te] - counts[te] + (t - (tcum[te] - ntile[te])) * BM
-        hi = torch.where(valid, torch.minimum(lo + BM, ends[te]), lo)
+        lo = torch.where(valid, ends[te] - counts[te] + (t - (tcum[te] - ntile[te])) * BM, 0)
+        hi = torch.where(valid, torch.minimum(lo + BM, ends[te]), 0)
         self.tile_e, self.tile_lo, self.tile_hi = te.to(torch.int32), lo.to(torch.int32), hi.to(torch.int32)
         self.T = T
 
