@@ -2,17 +2,18 @@
 
 Each op runs once on inputs whose element offsets leave int32 (a GPU wraps an int32 offset
 silently); its outputs and per-row gradients at the end of the buffers (the largest offsets) are
-checked against the reference run on those rows alone (fp64; the cross-entropy's fp32, as in its
-other checks) by the low-precision rule: error ≤ the same-dtype PyTorch path's on those rows +
-1e-2 (bf16). ``tests/test_offsets.py`` checks the kernels' integer arithmetic for such wraps in
-the interpreter; this checks what the GPU's compiler made of it. Gradients that sum over every
-row (level and expert weights) are not checked. The dry run takes the same code paths at tiny
-sizes (nothing there passes 2³¹), and the suite's precompile captures the cases at a size that
-Triton specialises as the full one (see :func:`_long`), so that they load binaries instead of
-compiling.
+checked against the reference run on those rows alone (fp64; the cross-entropy's and the MoE's
+in fp32, their references' own precision) by the low-precision rule: error ≤ the same-dtype
+PyTorch path's on those rows + 1e-2 (bf16). ``tests/test_offsets.py`` checks the kernels'
+integer arithmetic for such wraps in the interpreter; this checks what the GPU's compiler made of
+it. Gradients that sum over every row (level and expert weights) are not checked. The dry run
+takes the same code paths at tiny sizes (nothing there passes 2³¹), and the suite's precompile
+captures the cases at a size that Triton specialises as the full one (see :func:`_long`), so that
+they load binaries instead of compiling.
 
-Peak device memory per case, counted (not measured): attention about 60 GB, cross-entropy 30 GB,
-MoE 55 GB (bf16), the clock 60 GB (fp32); an H200 has 141 GB.
+The last rows checked all start past 2³¹ elements (:func:`_past`). Peak device memory per case,
+counted (not measured): attention about 60 GB, its decode kernel 38 GB, cross-entropy 30 GB, MoE
+55 GB, dense MoE 20 GB (bf16), the clock 60 GB (fp32); an H200 has 141 GB.
 """
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ MARGIN = 1e-2  # bf16, as the suite's other correctness checks
 
 def _randn(*shape, gen, device, dtype=torch.float32, scale=1.0, mean=0.0):
     return mean + scale * torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+
+def _past(width: int) -> int:
+    """Rows of ``width`` elements such that the last TAIL rows all start past 2³¹ elements."""
+    return -(-PAST // width) + TAIL
 
 
 def _long(full: int, scale: str, smoke: int) -> int:
@@ -58,7 +64,7 @@ def attention_rows(device, scale: str, gen) -> list[dict]:
     """Chunked forward and backward over B sequences of [T, H, D] with B·T·H·D past 2³¹, one level
     with decay, no state: o, the final (S, z), dq, dk, dv of the last sequences."""
     T, H, D = (40, 2, 32) if scale == "smoke" else (128, 2, 32)
-    B = _long(PAST // (T * H * D) + 1, scale, 6)
+    B = _long(_past(T * H * D), scale, 6)
     dtype, oms = torch.bfloat16, level_omegas(1)
     q, k, v, do = (_randn(B, T, H, D, gen=gen, device=device, dtype=dtype) for _ in range(4))
     w = torch.ones(1, device=device)
@@ -73,6 +79,32 @@ def attention_rows(device, scale: str, gen) -> list[dict]:
     tail = slice(B - TAIL, B)
     kernel = f"linear_attention[{_label(scale)}: B={B} T={T} H={H} D={D}]"
     return _rows(kernel, dtype, ("o", "S", "z", "dq", "dk", "dv"), got, run("reference", torch.float64, tail),
+                 run("torch", dtype, tail))
+
+
+def decode_rows(device, scale: str, gen) -> list[dict]:
+    """The one-launch decode kernel (T ≤ 16, no autograd) over one sequence of H heads with
+    (T − 1)·H·D past 2³¹ (its last position's offsets; the states' too), from a random state, one
+    level with decay: o and the new (S, z) of the last heads (each head its own recurrence)."""
+    T, D = 16, 16
+    H = _long(-(-PAST // ((T - 1) * D)) + TAIL, scale, 6)
+    dtype, oms = torch.bfloat16, level_omegas(1)
+    q, k, v = (_randn(1, T, H, D, gen=gen, device=device, dtype=dtype) for _ in range(3))
+    S0 = _randn(1, 1, H, D, D, gen=gen, device=device, scale=0.5)
+    z0 = 1 + 2 * torch.rand(1, 1, H, D, generator=gen, device=device)
+    w = torch.ones(1, device=device)
+    g = 0.65 + 0.3 * torch.rand(H, generator=gen, device=device)
+
+    def run(backend, dt, heads=slice(None)):
+        sdt = torch.float64 if dt == torch.float64 else torch.float32
+        q_, k_, v_ = (x[:, :, heads].to(dt) for x in (q, k, v))
+        with torch.no_grad():
+            o, (S, z) = linear_attention(q_, k_, v_, w.to(sdt), oms, decay=g[heads].to(sdt),
+                                         state=(S0[:, :, heads].to(sdt), z0[:, :, heads].to(sdt)), backend=backend)
+        return [x[:, :, -TAIL:].clone() for x in (o, S, z)]
+    tail = slice(H - TAIL, H)
+    kernel = f"linear_attention[{_label(scale)} (decode): T={T} H={H} D={D}]"
+    return _rows(kernel, dtype, ("o", "S", "z"), run("triton", dtype), run("reference", torch.float64, tail),
                  run("torch", dtype, tail))
 
 
@@ -102,24 +134,34 @@ def cross_entropy_rows(device, scale: str, gen) -> list[dict]:
     """Two calls: N·d past 2³¹ ("rows"), then V·d past 2³¹ ("vocabulary")."""
     smoke = scale == "smoke"
     d = 32 if smoke else 1280
-    return (_cross_entropy_case(device, scale, gen, "rows", _long(PAST // d + 1, scale, 50), 64 if smoke else 1024, d)
-            + _cross_entropy_case(device, scale, gen, "vocabulary", 16 if smoke else 256,
-                                  _long(PAST // d + 1, scale, 70), d))
+    return (_cross_entropy_case(device, scale, gen, "rows", _long(_past(d), scale, 50), 64 if smoke else 1024, d)
+            + _cross_entropy_case(device, scale, gen, "vocabulary", 16 if smoke else 256, _long(_past(d), scale, 70),
+                                  d))
 
 
-def moe_rows(device, scale: str, gen) -> list[dict]:
-    """Low-rank experts, forward and backward, x [N, d] with N·d past 2³¹ (the per-slot rows
-    [N·K, d] twice that): y, dx and the gate weights' gradient of the last tokens."""
-    d, E, F, r, K = (32, 4, 48, 16, 2) if scale == "smoke" else (1280, 8, 512, 64, 2)
-    N = _long(PAST // d + 1, scale, 40)
+def _moe_case(device, scale: str, gen, lowrank: bool) -> list[dict]:
+    """One MoE call, forward and backward: y, dx and the gate weights' gradient of the last tokens,
+    which are routed to the last two experts (their slot rows end those experts' sorted rows, past
+    2³¹ elements in the per-slot tensors)."""
+    if lowrank:
+        d, E, F, r, K = (32, 4, 48, 16, 2) if scale == "smoke" else (1280, 8, 512, 64, 2)
+        N = _long(_past(d), scale, 40)
+    else:
+        d, E, F, r, K = (16, 4, 64, 0, 2) if scale == "smoke" else (256, 8, 4096, 0, 2)
+        N = _long(_past(F), scale, 40)
     dtype = torch.bfloat16
     rnd = dict(gen=gen, device=device)
-    ex = dict(V1=_randn(E, d, r, **rnd, scale=d ** -0.5), U1=_randn(E, F, r, **rnd, scale=r ** -0.5),
-              b1=_randn(E, F, **rnd, scale=0.1), s1=_randn(E, **rnd, mean=1.0, scale=0.1),
-              V2=_randn(E, F, r, **rnd, scale=F ** -0.5), U2=_randn(E, d, r, **rnd, scale=r ** -0.5),
-              b2=_randn(E, d, **rnd, scale=0.1), s2=_randn(E, **rnd, mean=1.0, scale=0.1))
+    if lowrank:
+        ex = dict(V1=_randn(E, d, r, **rnd, scale=d ** -0.5), U1=_randn(E, F, r, **rnd, scale=r ** -0.5),
+                  b1=_randn(E, F, **rnd, scale=0.1), s1=_randn(E, **rnd, mean=1.0, scale=0.1),
+                  V2=_randn(E, F, r, **rnd, scale=F ** -0.5), U2=_randn(E, d, r, **rnd, scale=r ** -0.5),
+                  b2=_randn(E, d, **rnd, scale=0.1), s2=_randn(E, **rnd, mean=1.0, scale=0.1))
+    else:
+        ex = dict(W1=_randn(E, d, F, **rnd, scale=d ** -0.5), b1=_randn(E, F, **rnd, scale=0.1),
+                  W2=_randn(E, F, d, **rnd, scale=F ** -0.5), b2=_randn(E, d, **rnd, scale=0.1))
     x = _randn(N, d, gen=gen, device=device, dtype=dtype)
     idx = torch.rand(N, E, generator=gen, device=device).topk(K, dim=1).indices
+    idx[-TAIL:] = torch.arange(E - K, E, device=device)
     gate = torch.softmax(_randn(N, K, gen=gen, device=device), -1)
     dy = _randn(N, d, gen=gen, device=device, dtype=dtype)
 
@@ -128,16 +170,27 @@ def moe_rows(device, scale: str, gen) -> list[dict]:
         y = moe(xx, idx[rows], ww, {k: v.to(dt) for k, v in ex.items()}, backend=backend)
         return _tails(y, *torch.autograd.grad(y, (xx, ww), dy[rows].to(y.dtype)))
     tail = slice(N - TAIL, N)
-    kernel = f"moe[{_label(scale)}: N={N} d={d} E={E} F={F} r={r} K={K}]"
-    return _rows(kernel, dtype, ("y", "dx", "dw"), run("triton", dtype), run("reference", torch.float64, tail),
-                 run("torch", dtype, tail))
+    experts = f"r={r}" if lowrank else "dense"
+    kernel = f"moe[{_label(scale)}: N={N} d={d} E={E} F={F} {experts} K={K}]"
+    return common.check_rows(kernel, dtype, ("y", "dx", "dw"), run("triton", dtype),
+                             run("reference", torch.float32, tail), run("torch", dtype, tail), margin=MARGIN)
+
+
+def moe_rows(device, scale: str, gen) -> list[dict]:
+    """Low-rank experts, x [N, d] with N·d past 2³¹ (the per-slot rows [N·K, d] twice that)."""
+    return _moe_case(device, scale, gen, lowrank=True)
+
+
+def moe_dense_rows(device, scale: str, gen) -> list[dict]:
+    """Dense experts (the grouped GEMMs), N·F past 2³¹ (the hidden activation [N·K, F] twice that)."""
+    return _moe_case(device, scale, gen, lowrank=False)
 
 
 def kuramoto_rows(device, scale: str, gen) -> list[dict]:
     """The clock in fp32 (its only dtype), forward and backward, θ⁰ [M, N] with M·N past 2³¹: ψ and
     dθ⁰ of the last rows, against fp64 autograd, fp32 autograd's error + 1e-4 allowed."""
     N, r = (8, 4) if scale == "smoke" else (16, 8)
-    M = _long(PAST // N + 1, scale, 40)
+    M = _long(_past(N), scale, 40)
     theta0 = _randn(M, N, gen=gen, device=device, scale=3.0)
     omega, U = _randn(N, gen=gen, device=device, scale=0.3), _randn(N, r, gen=gen, device=device, scale=N ** -0.5)
     lam = 0.5 + torch.rand(r, generator=gen, device=device)
@@ -156,7 +209,8 @@ def kuramoto_rows(device, scale: str, gen) -> list[dict]:
                              truth_name="fp64 autograd")
 
 
-CASES = {"linear_attention": attention_rows, "cross_entropy": cross_entropy_rows, "moe": moe_rows,
+CASES = {"linear_attention": attention_rows, "linear_attention_decode": decode_rows,
+         "cross_entropy": cross_entropy_rows, "moe": moe_rows, "moe_dense": moe_dense_rows,
          "kuramoto_phase": kuramoto_rows}
 
 
