@@ -142,9 +142,9 @@ def test_precompile_covers_what_the_suite_stages_launch():
     model stages need (the training sweep at a batch divisible by 16 with the carried state, lever
     recipes at B=1 and chunk 16 in bf16 and fp32, the profile's, generation, the attention's
     chunk-64 backward) is among them, so that none compiles one at a time on the device. The
-    stages run on CPU with launches captured (their losses are garbage: nothing is launched);
-    CPU autocast stands for CUDA's, as the model casts the kernels' inputs to the autocast dtype
-    itself."""
+    stages run on CPU with launches captured (their losses are garbage: nothing is launched) and
+    bf16 matmuls computed in fp32, as the precompile's captures run; CPU autocast stands for
+    CUDA's, as the model casts the kernels' inputs to the autocast dtype itself."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = """
 import torch
@@ -159,7 +159,7 @@ def keys(launches):
 
 def stage(run):
     out = []
-    with aot.capture_model("stage", out):
+    with aot.capture_model("stage", out), aot.Fp32Matmuls():
         run()
     return keys(out)
 
@@ -186,6 +186,34 @@ print(len(needed), len(pre), "missing:", missing)
 assert not missing and len(needed) > 100
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_fp32_matmuls_capture_the_same_launches():
+    """Captures compute bf16 matmuls in fp32 (``aot.Fp32Matmuls``: bf16 GEMMs without bf16 units
+    are ~100× slower): a bf16 training step (two micro-steps, the state carried) and a decode step
+    launch the same kernels with the same compile keys either way; the values are fp32's rounded."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = """
+import torch
+import torch.nn.functional as F
+from fractus.bench import aot
+
+def captured(fast):
+    out = []
+    with aot.capture_model("m", out), (aot.Fp32Matmuls() if fast else torch.autocast("cpu", enabled=True)):
+        aot._run_model("palier0", steps=2, batch_size=4, chunk_len=48)
+    return [(L.name, aot.compile_key(L, fn, kw)) for L, fn, kw in aot._compiles(out)]
+fast, slow = captured(True), captured(False)
+assert fast == slow and len(fast) > 30, (len(fast), len(slow))
+x, w = torch.randn(5, 48), torch.randn(24, 48)
+with aot.Fp32Matmuls(), torch.autocast("cpu", dtype=torch.bfloat16):
+    y = F.linear(x, w)
+assert y.dtype == torch.bfloat16 and torch.equal(y, F.linear(x.bfloat16().float(), w.bfloat16().float()).bfloat16())
+with aot.Fp32Matmuls():
+    assert (x @ w.T).dtype == torch.float32 and (x.bfloat16() @ w.bfloat16().T).dtype == torch.bfloat16
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 

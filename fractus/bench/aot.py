@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 SHARED_LIMIT = {90: 232448}  # bytes of shared memory one block may use (sm_90: 227 KiB)
 
@@ -240,7 +242,7 @@ def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(),
                 OPS[op](dtype)
     for entry in presets:
         preset, kw = (entry, {}) if isinstance(entry, str) else entry
-        with capture_model(f"model[{preset}]", out):
+        with capture_model(f"model[{preset}]", out), Fp32Matmuls():
             _run_model(preset, **kw)
     for name in extras:
         entry, run = EXTRAS[name]
@@ -273,6 +275,28 @@ def capture_model(op: str, launches: list[Launch]):
                                         launches))
         stack.enter_context(triton_on_cpu(backend))
         yield
+
+
+class Fp32Matmuls(TorchFunctionMode):
+    """Inside, a matmul that would run in bf16 (a bf16 operand, or CPU autocast to bf16) takes its
+    operands rounded to bf16, multiplies them in fp32 and rounds the result to bf16, as a GPU's
+    bf16 GEMM accumulates: the same dtype and layout, and so the same kernel launches after it
+    (not the same ATen ops: it adds casts). For captures: a CPU without bf16 units (AVX2)
+    multiplies bf16 about 100× slower than fp32 (a palier2 training capture spent 40 s of its 41
+    in ``mm``)."""
+
+    FUNCS = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.Tensor.__matmul__, torch.Tensor.matmul}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func in self.FUNCS and (any(t.dtype == torch.bfloat16 for t in tensors) or (
+                torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)):
+            with torch.autocast("cpu", enabled=False):
+                out = func(*(a.to(torch.bfloat16).float() if isinstance(a, torch.Tensor) else a for a in args),
+                           **kwargs)
+            return out.to(torch.bfloat16)
+        return func(*args, **kwargs)
 
 
 @contextmanager
