@@ -1,6 +1,6 @@
 """Every Triton kernel compiles for sm_90 (H100/H200) with Triton's own compiler and ptxas, without
 a GPU. The other kernel tests run Triton's interpreter, which accepts programs a GPU compiler
-rejects; this runs ``python -m fractus.bench aot --quick`` (real JIT kernels: no TRITON_INTERPRET),
+rejects; this runs ``python -m fractus.bench aot --quick --workers 2`` (real JIT kernels: no TRITON_INTERPRET),
 with palier0's bf16 training step and decode step."""
 import os
 import subprocess
@@ -18,7 +18,8 @@ OPS = ("linear_attention", "moe", "cross_entropy", "kuramoto")
 def test_every_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "fractus.bench", "aot", "--quick", "--presets", "palier0",
-                        "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1200)
+                        "--workers", "2", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=1200)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rows = pd.read_csv(tmp_path / "aot_sm90.csv")
     assert rows["compiled"].all() and rows["fits_shared"].all()

@@ -35,12 +35,15 @@ def run_cpu(out: Path, only: list[str]) -> None:
         print(pd.DataFrame(rows).to_string(index=False, max_colwidth=28))
 
 
-def run_aot(out: Path, arch: int, quick: bool, presets: list[str]) -> int:
+def run_aot(out: Path, arch: int, quick: bool, presets: list[str], workers: int = 1) -> int:
     """Compile every kernel (and each preset's training and decode launches) for sm_``arch`` in
-    a fresh Triton cache (cold compile times); returns 1 if one failed to compile or needs more
-    shared memory than a block may have."""
+    a fresh Triton cache (cold compile times; with ``workers`` > 1, compiled in that many
+    processes first, and the table's times are cache loads); returns 1 if one failed to compile
+    or needs more shared memory than a block may have."""
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
+        if workers > 1:  # a worker's failure shows again below, where the same launch compiles in this process
+            aot.precompile(workers, presets=presets, arch=arch, timeout_s=24 * 3600, all_configs=not quick)
         rows = aot.compile_rows(arch, all_configs=not quick, presets=presets)
     path = write_csv(out / f"aot_sm{arch}.csv", rows)
     t = pd.DataFrame(rows)
@@ -67,6 +70,8 @@ def main(argv=None) -> None:
     t.add_argument("--quick", action="store_true", help="the first autotune config of each kernel only")
     t.add_argument("--presets", nargs="*", choices=aot.PRESETS, default=None,
                    help="models whose training and decode launches to compile too (default: all; none with --quick)")
+    t.add_argument("--workers", type=int, default=1,
+                   help="compile in this many processes first (the table's compile_s then times cache loads)")
     g = sub.add_parser("gpu", help="the GPU suite → OUT/*.csv")
     g.add_argument("--out", default="results/gpu")
     g.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, Triton interpreter")
@@ -85,7 +90,9 @@ def main(argv=None) -> None:
         except RuntimeError as e:
             ap.error(str(e))
         presets = a.presets if a.presets is not None else ([] if a.quick else list(aot.PRESETS))
-        sys.exit(run_aot(Path(a.out), a.arch, a.quick, presets))
+        if a.workers < 1:
+            ap.error(f"--workers must be at least 1, got {a.workers}")
+        sys.exit(run_aot(Path(a.out), a.arch, a.quick, presets, a.workers))
     else:
         if a.dry_run:  # the kernels run in Triton's interpreter; set before triton is imported
             os.environ["TRITON_INTERPRET"] = "1"

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 SHARED_LIMIT = {90: 232448}  # bytes of shared memory one block may use (sm_90: 227 KiB)
@@ -285,7 +284,8 @@ class Fp32Matmuls(TorchFunctionMode):
     multiplies bf16 about 100× slower than fp32 (a palier2 training capture spent 40 s of its 41
     in ``mm``)."""
 
-    FUNCS = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.Tensor.__matmul__, torch.Tensor.matmul}
+    FUNCS = {torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.Tensor.__matmul__,
+             torch.Tensor.matmul}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -434,7 +434,8 @@ def distinct_compiles(compiles):
             yield L, fn, kw
 
 
-def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, extras=()) -> dict:
+def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, extras=(),
+                      all_configs: bool = True) -> dict:
     """Compile every ``workers``-th distinct (launch, config) pair from ``shard`` on, for this
     machine's GPU (or offline for sm_``arch``), into Triton's on-disk cache."""
     from triton.runtime.driver import driver
@@ -442,7 +443,7 @@ def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, 
         driver.set_active(_offline_driver(arch))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # the capture's CPU work, in every worker
     t0, done, failed = time.perf_counter(), 0, []
-    pairs = list(distinct_compiles(_compiles(launches(ops, presets=presets, extras=extras))))
+    pairs = list(distinct_compiles(_compiles(launches(ops, presets=presets, extras=extras), all_configs)))
     for L, fn, kw in pairs[shard::workers]:
         try:
             fn.warmup(*L.args, grid=(1,), **kw)
@@ -467,8 +468,9 @@ def _worker_row(shard: int, future, finished: bool, timeout_s: float) -> dict:
 
 
 def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | None = None,
-               extras=(), timeout_s: float = 200.0) -> list[dict]:
-    """Fill Triton's on-disk cache with every captured launch × autotune config, compiled in
+               extras=(), timeout_s: float = 200.0, all_configs: bool = True) -> list[dict]:
+    """Fill Triton's on-disk cache with every captured launch × autotune config (the first only
+    without ``all_configs``), compiled in
     ``workers`` processes at once, so that a run's launches and autotuning load binaries instead
     of compiling them one at a time (the cache key is the same: source, target, options,
     argument dtypes and alignment). For this machine's GPU, or offline for sm_``arch``. The
@@ -479,7 +481,7 @@ def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | N
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
     late = []  # until wait() returns (a SIGTERM may stop it), every submitted worker counts as late
     try:  # a worker that dies breaks the pool, and says so in its row (a Pool would replace it forever)
-        futures = late = [pool.submit(_precompile_shard, i, workers, ops, presets, arch, extras)
+        futures = late = [pool.submit(_precompile_shard, i, workers, ops, presets, arch, extras, all_configs)
                           for i in range(workers)]
         done, late = wait(futures, timeout=timeout_s)
         return [_worker_row(i, f, f in done, timeout_s) for i, f in enumerate(futures)]
