@@ -13,7 +13,7 @@ they load binaries instead of compiling.
 
 The last rows checked all start past 2³¹ elements (:func:`_past`). Peak device memory per case,
 counted (not measured): attention about 60 GB, its decode kernel 38 GB, cross-entropy 30 GB, MoE
-55 GB, dense MoE 20 GB (bf16), the clock 60 GB (fp32); an H200 has 141 GB.
+55 GB, dense MoE 55 GB (bf16), the clock 60 GB (fp32); an H200 has 141 GB.
 """
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def _moe_case(device, scale: str, gen, lowrank: bool) -> list[dict]:
         d, E, F, r, K = (32, 4, 48, 16, 2) if scale == "smoke" else (1280, 8, 512, 64, 2)
         N = _long(_past(d), scale, 40)
     else:
-        d, E, F, r, K = (16, 4, 64, 0, 2) if scale == "smoke" else (256, 8, 4096, 0, 2)
+        d, E, F, r, K = (16, 4, 64, 0, 2) if scale == "smoke" else (1280, 8, 2048, 0, 2)  # 1b's d and F
         N = _long(_past(F), scale, 40)
     dtype = torch.bfloat16
     rnd = dict(gen=gen, device=device)
