@@ -193,7 +193,8 @@ assert not missing and len(needed) > 100
 def test_fp32_matmuls_capture_the_same_launches():
     """Captures compute bf16 matmuls in fp32 (``aot.Fp32Matmuls``: bf16 GEMMs without bf16 units
     are ~100× slower): a bf16 training step (two micro-steps, the state carried) and a decode step
-    launch the same kernels with the same compile keys either way; the values are fp32's rounded."""
+    launch the same kernels with the same compile keys either way; the values are fp32's rounded.
+    What would not run in bf16 (fp64, ``out=``, a mix that raises) runs as without it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = """
 import torch
@@ -213,6 +214,15 @@ with aot.Fp32Matmuls(), torch.autocast("cpu", dtype=torch.bfloat16):
 assert y.dtype == torch.bfloat16 and torch.equal(y, F.linear(x.bfloat16().float(), w.bfloat16().float()).bfloat16())
 with aot.Fp32Matmuls():
     assert (x @ w.T).dtype == torch.float32 and (x.bfloat16() @ w.bfloat16().T).dtype == torch.bfloat16
+    try:  # a mix that raises without autocast still raises
+        x.bfloat16() @ w.T
+        raise AssertionError("bf16 @ fp32 ran")
+    except RuntimeError:
+        pass
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (x.double() @ w.double().T).dtype == torch.float64  # not what autocast lowers
+        buf = torch.empty(5, 24)
+        assert torch.mm(x, w.T, out=buf) is buf  # filled in place, as without the mode
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -110,6 +110,19 @@ def test_the_check_types_loop_variables():
     assert x[::2 ** 29].eq(1).all() and "range" not in globals()
 
 
+@triton.jit
+def _const_loop_kernel(x_ptr, START: tl.constexpr):
+    for i in range(START, START + 2):
+        tl.store(x_ptr + (i - START), 1.0)
+
+
+def test_the_check_widens_loops_with_constant_bounds_past_int32():
+    x = torch.zeros(2)
+    with interpret.address_check():
+        _const_loop_kernel[(1,)](x, START=2 ** 32)
+    assert x.eq(1).all()
+
+
 def test_the_check_installs_the_emulation_first(monkeypatch):
     """Its builder is restored on exit: were the emulation installed inside the block (the first
     Triton op on CPU tensors installs it), the exit would undo it for good."""

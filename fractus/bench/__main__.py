@@ -42,8 +42,10 @@ def run_aot(out: Path, arch: int, quick: bool, presets: list[str], workers: int 
     or needs more shared memory than a block may have."""
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
-        if workers > 1:  # a worker's failure shows again below, where the same launch compiles in this process
-            aot.precompile(workers, presets=presets, arch=arch, timeout_s=24 * 3600, all_configs=not quick)
+        if workers > 1:  # a failed compile shows again below, where the same launch compiles in this process
+            for w in aot.precompile(workers, presets=presets, arch=arch, timeout_s=24 * 3600, all_configs=not quick):
+                if w["errors"]:  # a worker that died: the rest of its share compiles below (cold, in compile_s)
+                    print(f"precompile worker {w['worker']}: {w['errors']}", flush=True)
         rows = aot.compile_rows(arch, all_configs=not quick, presets=presets)
     path = write_csv(out / f"aot_sm{arch}.csv", rows)
     t = pd.DataFrame(rows)

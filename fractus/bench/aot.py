@@ -289,9 +289,12 @@ class Fp32Matmuls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if func in self.FUNCS and (any(t.dtype == torch.bfloat16 for t in tensors) or (
-                torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)):
+        dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        # only what would run in bf16: bf16 operands, or fp32/bf16 ones under autocast (not fp64,
+        # not a mix that raises without it), and no ``out=`` to fill in place
+        if func in self.FUNCS and "out" not in kwargs and dtypes and (
+                dtypes == {torch.bfloat16} or autocast and dtypes <= {torch.float32, torch.bfloat16}):
             with torch.autocast("cpu", enabled=False):
                 out = func(*(a.to(torch.bfloat16).float() if isinstance(a, torch.Tensor) else a for a in args),
                            **kwargs)

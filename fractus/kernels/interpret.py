@@ -180,10 +180,12 @@ def _scalar(value: int, ty) -> tl.tensor:
 
 def _typed_range(*bounds):
     """A kernel's ``range`` as a GPU compiles it: the loop variable an int32 scalar (int64 when a
-    bound is), where the interpreter's is a Python int that never wraps (``i * BLOCK`` past 2³¹)."""
-    ty = tl.int64 if any(isinstance(b, tl.tensor) and b.dtype == tl.int64 for b in bounds) else tl.int32
+    bound is int64 or a constant outside int32), where the interpreter's is a Python int that
+    never wraps (``i * BLOCK`` past 2³¹)."""
     values = [int(b.handle.data.item()) if isinstance(b, tl.tensor) else int(getattr(b, "value", b))
               for b in bounds]
+    wide = any(isinstance(b, tl.tensor) and b.dtype == tl.int64 for b in bounds)
+    ty = tl.int64 if wide or any(not -2**31 <= v < 2**31 for v in values) else tl.int32
     for i in range(*values):
         yield _scalar(i, ty)
 
