@@ -87,7 +87,7 @@ def decode_rows(device, scale: str, gen) -> list[dict]:
     (T − 1)·H·D past 2³¹ (its last position's offsets; the states' too), from a random state, one
     level with decay: o and the new (S, z) of the last heads (each head its own recurrence)."""
     T, D = 16, 16
-    H = _long(-(-PAST // ((T - 1) * D)) + TAIL, scale, 6)
+    H = _long(_past((T - 1) * D), scale, 6)  # position T − 1 of each checked head past 2³¹
     dtype, oms = torch.bfloat16, level_omegas(1)
     q, k, v = (_randn(1, T, H, D, gen=gen, device=device, dtype=dtype) for _ in range(3))
     S0 = _randn(1, 1, H, D, D, gen=gen, device=device, scale=0.5)

@@ -200,7 +200,8 @@ def address_check(last: int = 1):
       a mask turns off count too (a GPU computes their offsets and does not use them): the check
       errs on the side of raising;
     - the loop variable of ``range`` in the launched kernel's module is an int32 scalar (int64 when
-      a bound is), as on a GPU, not a Python int: ``i * BLOCK`` is checked too;
+      a bound is int64 or a constant outside int32), as on a GPU, not a Python int: ``i * BLOCK``
+      is checked too;
     - each launch runs only its last ``last`` programs along grid axis 0 (the last along the others):
       the largest offsets. ``tl.program_id`` and ``tl.num_programs`` report the full grid.
 
