@@ -10,6 +10,8 @@ import torch
 
 from fractus.bench.gpu import KERNELS, run_suite
 
+pytestmark = pytest.mark.xdist_group("test_gpu_suite")  # one worker: the dry run is computed once
+
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
@@ -110,6 +112,7 @@ def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
     levers.to_csv(gpu_dir / "levers.csv", index=False)
     monkeypatch.setenv("FRACTUS_SMOKE", "1")
     monkeypatch.setenv("FRACTUS_GPU_RESULTS", str(gpu_dir))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # their smoke results apart from nbval's runs of them (pytest -n)
     notebooks = Path(__file__).resolve().parents[1] / "notebooks"
     for path in sorted(notebooks.glob("0[1-4]_*.ipynb")):
         nb = nbformat.read(path, as_version=4)
