@@ -47,9 +47,9 @@ demo-results: demo
 	  $(BIN)/python -m fractus.evaluate $$1/ckpt.pt --data $(DATA) --streams $$2 --split $$3 \
 	    --csv results/demo_eval.csv || exit 1; done
 
-# one worker per core (a notebook's cells, and a module's tests that share a fixture, on one worker)
+# one worker per core; a file's tests on one worker (a notebook's cells in order, a module's fixtures made once)
 test: setup
-	FRACTUS_SMOKE=1 $(BIN)/python -m pytest -q -n auto --dist loadgroup tests notebooks --nbval-lax
+	FRACTUS_SMOKE=1 $(BIN)/python -m pytest -q -n auto --dist loadfile tests notebooks --nbval-lax
 
 bench-cpu: setup
 	$(BIN)/python -m fractus.bench cpu --out results

@@ -1,6 +1,6 @@
 """Test set-up: Triton kernels run in the interpreter on CPU, computing bf16 and tf32 as a GPU does
 (:mod:`fractus.kernels.interpret`), and outputs are NaN-poisoned. Under ``pytest -n N --dist
-loadgroup`` (``make test``) the workers share the cores."""
+loadfile`` (``make test``) the workers share the cores."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
@@ -14,15 +14,6 @@ import torch  # noqa: E402
 from fractus.kernels import backend, interpret  # noqa: E402
 
 interpret.install()  # bf16 and tf32 computed as a GPU does, for kernels launched directly too
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks
-def pytest_collection_modifyitems(items):
-    """A notebook's cells are one ``xdist_group``: under ``--dist loadgroup`` they run in order in one
-    worker's kernel (the tests of a module sharing a module-scoped fixture are marked in the module)."""
-    for item in items:
-        if item.path.suffix == ".ipynb":
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture(autouse=True)

@@ -16,8 +16,6 @@ from fractus.sample import main as sample_main
 from fractus.train import main as train_main
 from test_train import cli, make_corpus
 
-pytestmark = pytest.mark.xdist_group("test_checkpoint")  # one worker: the corpus is made once
-
 UNREADABLE = "damaged, truncated or not a checkpoint"
 
 

@@ -10,8 +10,6 @@ import torch
 
 from fractus.bench.gpu import KERNELS, run_suite
 
-pytestmark = pytest.mark.xdist_group("test_gpu_suite")  # one worker: the dry run is computed once
-
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):

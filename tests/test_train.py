@@ -24,8 +24,6 @@ from fractus.model import FractusConfig, FractusCTE
 from fractus.tokenizer import get_tokenizer
 from fractus.train import NonFiniteLoss, main, micro_steps, set_active_blocks, train
 
-pytestmark = pytest.mark.xdist_group("test_train")  # one worker: the uninterrupted reference run is trained once
-
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80  # optimizer steps of the reference run (2 streams × 16 tokens each)
 SAME = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "val_ce", "val_bpb", "val_ppl")
