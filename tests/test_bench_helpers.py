@@ -2,6 +2,7 @@
 the profiler attribution, the decode-vs-forward probe, the allocator setting and runs in a
 fresh process."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -277,6 +278,43 @@ def test_in_fresh_process_returns_result_and_reraises():
     assert r["preset"] == "tiny" and r["tok_s"] > 0 and r["tok_s_best"] >= r["tok_s"]
     with pytest.raises(RuntimeError, match="unknown preset"):
         in_fresh_process("fractus.bench.train:measure_training", preset="nope")
+
+
+def _launches(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return P.launched_ops(prof.events())
+
+
+@pytest.fixture
+def four_threads():
+    """Four torch threads: CPU's kernels take their parallel paths (which call other ops inside)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("n", [4, 1 << 18])  # small, and large enough for CPU's kernels to call helpers inside
+def test_launched_ops_counts_an_op_once_whatever_it_calls_inside(n, four_threads):
+    """One launch per op that does work, however CPU's ATen implements it at this size and thread
+    count (a large cat narrows its inputs: views only; zeros fills; a large sum may fill and copy),
+    none for views; an op built of two working ops counts two."""
+    a, b, rows = torch.randn(8, n), torch.randn(8, n), torch.tensor([0, 1])
+    assert _launches(lambda: torch.stack([a, b])) == 1
+    assert _launches(lambda: torch.zeros(8, n)) == 1
+    assert _launches(lambda: a.sum(0)) == 1
+    assert _launches(lambda: a.bfloat16().sum(0)) == 2  # the cast, then the sum
+    assert _launches(lambda: (a.t(), a.view(-1), a[1:])) == 0
+    assert _launches(lambda: a.index_add(0, rows, b[:2])) == 2  # clone, then index_add_
+
+
+def test_gpu_launch_count_does_not_vary_with_the_batch(four_threads):
+    """The GPU path's launches are a property of the structure: the same at B=8 and B=64 (B=1 skips
+    copies of tensors that are contiguous only then; few tokens split the head's vocabulary)."""
+    r = L.Recipe(preset="palier0", vocab_size=512, tie_head=True, sparse_moe=True, fused_ce=True, chunk_len=128)
+    assert P.gpu_launch_count(replace(r, batch_size=8)) == P.gpu_launch_count(replace(r, batch_size=64))
 
 
 def test_gpu_launch_count_grows_with_layers_not_experts():

@@ -183,16 +183,40 @@ _NO_KERNEL = {"aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten
               "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::permute", "aten::slice",
               "aten::select", "aten::unbind", "aten::split", "aten::chunk", "aten::detach",
               "aten::alias", "aten::_unsafe_view", "aten::lift_fresh", "aten::empty",
-              "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg",
+              "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided",
+              "aten::resolve_conj", "aten::resolve_neg",
               "aten::result_type", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
               "aten::contiguous", "aten::to", "aten::_to_copy", "aten::numpy_T", "aten::narrow",
               "detach", "aten::set_", "aten::flatten", "aten::view_as", "aten::expand_as"}
 
 
+# what CPU kernels call inside one op for its output (zeros: fill_; clone: copy_; a large sum: fill_ and copy_)
+_HELPERS = {"aten::fill_", "aten::zero_", "aten::copy_"}
+
+
+def _works(e) -> bool:
+    return e.name.startswith("aten::") and e.name not in _NO_KERNEL
+
+
 def launched_ops(events) -> int:
-    """ATen ops that do work (no view/metadata op) and call no other op: a kernel-launch proxy."""
-    return sum(1 for e in events if e.name.startswith("aten::") and not e.cpu_children
-               and e.name not in _NO_KERNEL)
+    """A kernel-launch proxy: each outermost ATen op that does work (no view/metadata op) and
+    calls no working op other than output helpers (fill_, zero_, copy_) counts once. So stack
+    and cat, zeros, clone and sum count one whatever CPU's kernels call inside them for large
+    inputs (cat narrows them, sum buffers them); index_add (clone, then index_add_) counts two."""
+    def helpers_only(e) -> bool:
+        return all((not _works(c) or c.name in _HELPERS) and helpers_only(c) for c in e.cpu_children)
+
+    def counted(e) -> bool:
+        return _works(e) and helpers_only(e)
+
+    def under_counted(e) -> bool:
+        e = e.cpu_parent
+        while e is not None:
+            if counted(e):
+                return True
+            e = e.cpu_parent
+        return False
+    return sum(1 for e in events if counted(e) and not under_counted(e))
 
 
 def _tiny(recipe: Recipe, **dims) -> Recipe:
