@@ -43,7 +43,8 @@ def run_aot(out: Path, arch: int, quick: bool, presets: list[str], workers: int 
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         if workers > 1:  # a failed compile shows again below, where the same launch compiles in this process
-            for w in aot.precompile(workers, presets=presets, arch=arch, timeout_s=24 * 3600, all_configs=not quick):
+            for w in aot.precompile(workers, presets=presets, arch=arch, timeout_s=24 * 3600, all_configs=not quick,
+                                     dtypes=aot.TABLE_DTYPES):
                 if w["errors"]:  # a worker that died: the rest of its share compiles below (cold, in compile_s)
                     print(f"precompile worker {w['worker']}: {w['errors']}", flush=True)
         rows = aot.compile_rows(arch, all_configs=not quick, presets=presets)

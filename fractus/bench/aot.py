@@ -36,6 +36,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 SHARED_LIMIT = {90: 232448}  # bytes of shared memory one block may use (sm_90: 227 KiB)
+# the ops' input dtypes the GPU suite runs (and so precompiles), and those the table compiles: fp16
+# too, which the kernels accept (their state dots then run in tf32) but no GPU run checks
+SUITE_DTYPES = (torch.float32, torch.bfloat16)
+TABLE_DTYPES = SUITE_DTYPES + (torch.float16,)
 
 
 @dataclass
@@ -228,7 +232,7 @@ def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int 
         model.step(x[:, :1], state)
 
 
-def launches(ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16), presets=(), extras=()) -> list[Launch]:
+def launches(ops=tuple(OPS), dtypes=SUITE_DTYPES, presets=(), extras=()) -> list[Launch]:
     """Run each op's Triton path forward and backward, and each of ``presets`` (a preset's name,
     or (name, :func:`_run_model`'s keywords)), on CPU with launches captured; then each of
     ``extras`` whose module is installed (op ``extra[name]``)."""
@@ -336,7 +340,7 @@ def _mma(ptx: str) -> str:
     return "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
 
 
-def compile_rows(arch: int = 90, ops=tuple(OPS), dtypes=(torch.float32, torch.bfloat16),
+def compile_rows(arch: int = 90, ops=tuple(OPS), dtypes=TABLE_DTYPES,
                  all_configs: bool = True, presets=()) -> list[dict]:
     """One row per distinct compiled kernel (op, kernel, input dtype, constexprs, warps, stages):
     whether it compiled for sm_``arch``, the matrix instructions, registers, spill and stack bytes, shared memory and
@@ -438,7 +442,7 @@ def distinct_compiles(compiles):
 
 
 def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, extras=(),
-                      all_configs: bool = True) -> dict:
+                      all_configs: bool = True, dtypes=SUITE_DTYPES) -> dict:
     """Compile every ``workers``-th distinct (launch, config) pair from ``shard`` on, for this
     machine's GPU (or offline for sm_``arch``), into Triton's on-disk cache."""
     from triton.runtime.driver import driver
@@ -446,7 +450,7 @@ def _precompile_shard(shard: int, workers: int, ops, presets, arch: int | None, 
         driver.set_active(_offline_driver(arch))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # the capture's CPU work, in every worker
     t0, done, failed = time.perf_counter(), 0, []
-    pairs = list(distinct_compiles(_compiles(launches(ops, presets=presets, extras=extras), all_configs)))
+    pairs = list(distinct_compiles(_compiles(launches(ops, dtypes, presets, extras), all_configs)))
     for L, fn, kw in pairs[shard::workers]:
         try:
             fn.warmup(*L.args, grid=(1,), **kw)
@@ -471,9 +475,10 @@ def _worker_row(shard: int, future, finished: bool, timeout_s: float) -> dict:
 
 
 def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | None = None,
-               extras=(), timeout_s: float = 200.0, all_configs: bool = True) -> list[dict]:
-    """Fill Triton's on-disk cache with every captured launch × autotune config (the first only
-    without ``all_configs``), compiled in
+               extras=(), timeout_s: float = 200.0, all_configs: bool = True,
+               dtypes=SUITE_DTYPES) -> list[dict]:
+    """Fill Triton's on-disk cache with every captured launch (the ops' in ``dtypes``) × autotune
+    config (the first only without ``all_configs``), compiled in
     ``workers`` processes at once, so that a run's launches and autotuning load binaries instead
     of compiling them one at a time (the cache key is the same: source, target, options,
     argument dtypes and alignment). For this machine's GPU, or offline for sm_``arch``. The
@@ -484,7 +489,7 @@ def precompile(workers: int, ops=tuple(OPS), presets=("palier0",), arch: int | N
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
     late = []  # until wait() returns (a SIGTERM may stop it), every submitted worker counts as late
     try:  # a worker that dies breaks the pool, and says so in its row (a Pool would replace it forever)
-        futures = late = [pool.submit(_precompile_shard, i, workers, ops, presets, arch, extras, all_configs)
+        futures = late = [pool.submit(_precompile_shard, i, workers, ops, presets, arch, extras, all_configs, dtypes)
                           for i in range(workers)]
         done, late = wait(futures, timeout=timeout_s)
         return [_worker_row(i, f, f in done, timeout_s) for i, f in enumerate(futures)]

@@ -203,8 +203,12 @@ def launched_ops(events) -> int:
     calls no working op other than output helpers (fill_, zero_, copy_) counts once. So stack
     and cat, zeros, clone and sum count one whatever CPU's kernels call inside them for large
     inputs (cat narrows them, sum buffers them); index_add (clone, then index_add_) counts two."""
+    helpers = {}  # id(event) -> whether its subtree holds only helpers: each subtree walked once
+
     def helpers_only(e) -> bool:
-        return all((not _works(c) or c.name in _HELPERS) and helpers_only(c) for c in e.cpu_children)
+        if id(e) not in helpers:
+            helpers[id(e)] = all((not _works(c) or c.name in _HELPERS) and helpers_only(c) for c in e.cpu_children)
+        return helpers[id(e)]
 
     def counted(e) -> bool:
         return _works(e) and helpers_only(e)
