@@ -140,18 +140,21 @@ print([i for i, c in enumerate(compiles) if not any(c[0] is k[0] for k in kept)]
 
 def test_precompile_covers_what_the_suite_stages_launch():
     """The GPU suite precompiles the ops' launches and ``gpu.model_runs()``: every compile that its
-    model stages need (the training sweep at a batch divisible by 16 with the carried state, lever
-    recipes at B=1 and chunk 16 in bf16 and fp32, the profile's, generation, the attention's
-    chunk-64 backward) is among them, so that none compiles one at a time on the device. The
-    stages run on CPU with launches captured (their losses are garbage: nothing is launched) and
-    bf16 matmuls computed in fp32, as the precompile's captures run; CPU autocast stands for
-    CUDA's, as the model casts the kernels' inputs to the autocast dtype itself."""
+    stages need is among them, so that none compiles one at a time on the device. The model
+    stages: the training sweep at a batch divisible by 16 with the carried state, lever recipes at
+    B=1 and chunk 16 in bf16 and fp32, the profile's, generation. The kernels' checks at their full
+    sizes (fp32 and bf16, the MoE's fp32 master experts, B=1), and their timings' Triton launches
+    (forward alone and forward+backward, the attention's chunk-64 backward). The stages run on CPU
+    with launches captured (their losses are garbage: nothing is launched) and bf16 matmuls
+    computed in fp32, as the precompile's captures run; CPU autocast stands for CUDA's, as the
+    model casts the kernels' inputs to the autocast dtype itself."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = """
 import torch
 from fractus.bench import aot, levers, profile, train
-from fractus.bench.gpu import GEN_PROMPT, model_runs, train_recipe
-from fractus.model import FractusConfig, FractusCTE
+from fractus.bench import cross_entropy as ce, linear_attention as la, moe
+from fractus.bench.gpu import GEN_PROMPT, kuramoto_rows, model_runs, train_recipe
+from fractus.model import FractusConfig, FractusCTE, level_omegas
 steps = train.micro_steps
 train.micro_steps = lambda *a, **k: (*steps(*a, **k)[:3], True)  # captured kernels leave garbage
 
@@ -168,11 +171,21 @@ def generate():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         FractusCTE(FractusConfig.preset("palier0", backend="triton")).eval().generate(GEN_PROMPT, 2, temperature=0)
 
-def bwd64():  # the attention's timing at another of its lengths than the precompiled one
-    from fractus.bench.linear_attention import _fwd_bwd, make_inputs
-    from fractus.model import level_omegas
-    q, k, v, w, _, _ = make_inputs(8, 512, 20, 64, 2, dtype=torch.bfloat16)
-    _fwd_bwd("triton_bwd64", q, k, v, w, level_omegas(2))
+def timings():  # the Triton launches of each kernel's gpu_rows (the baselines launch none of ours)
+    bf16, oms = torch.bfloat16, level_omegas(la.GPU_SHAPE["levels"])
+    for T in la.GPU_TS:
+        q, k, v, w, _, _ = la.make_inputs(T=T, **la.GPU_SHAPE, dtype=bf16)
+        with torch.no_grad():
+            la._run("triton", q, k, v, w, oms)
+        for impl in ("triton", "triton_bwd64"):
+            la._fwd_bwd(impl, q, k, v, w, oms)
+    for N, lowrank in [(N, True) for N in moe.GPU_TOKENS] + [(moe.GPU_TOKENS[0], False)]:
+        x, idx, w, ex = moe.make_case(N, **moe.ONE_B, lowrank=lowrank, dtype=bf16)
+        with torch.no_grad():
+            moe._impl("triton")(x, idx, w, ex)
+        moe._fwd_bwd(moe._impl("triton"), x, idx, w, ex)
+    ce._fwd_bwd(ce._impl("triton"), *ce.make_case(**ce.GPU_CASE, dtype=bf16))
+
 pre = keys(aot.launches(presets=model_runs(), extras=("bwd64",)))
 plan = levers.gpu_plan(cuda=True)
 kw = dict(min_tokens=0, min_steps=1, warmup=1, device="cpu", backend="triton")
@@ -181,7 +194,10 @@ needed = {**stage(lambda: train.measure_training("palier0", **train_recipe("pali
           **stage(lambda: levers.measure_speed(plan[0][2], bf16=True, **kw)),
           **stage(lambda: levers.measure_speed(plan[-2][2], bf16=False, **kw)),
           **stage(lambda: levers.measure_speed(profile.gpu_recipes(cuda=True)[1][1], bf16=True, **kw)),
-          **stage(generate), **stage(bwd64)}
+          **stage(generate), **stage(timings),
+          **stage(lambda: kuramoto_rows(torch.device("cpu"), False, timing=False))}
+for bench in (la, moe, ce):
+    needed.update(stage(lambda: bench.correctness_rows("cpu")))
 missing = sorted({n for k, n in needed.items() if k not in pre})
 print(len(needed), len(pre), "missing:", missing)
 assert not missing and len(needed) > 100

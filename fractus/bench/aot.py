@@ -122,25 +122,39 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
 
 
 def _run_linear_attention(dtype):
+    """The chunked path forward and backward (the loss on the final state too, or on the output
+    alone as in training and the timings; at B=1, an integer Triton specialises), its forward
+    without gradients, and the decode kernel."""
     from fractus.bench.linear_attention import make_inputs
     from fractus.kernels import linear_attention as la
     from fractus.model import level_omegas
-    B, H, D, Lv = 2, 8, 64, 2
-    for T, carried in ((2048, False), (100, True)):  # chunked, forward and backward
+    H, D, Lv = 8, 64, 2
+    # (B, T, decay and a carried state, the loss on the final state)
+    for B, T, carried, on_state in ((2, 2048, False, True), (2, 2048, False, False), (1, 2048, False, False),
+                                    (2, 100, True, True)):
         q, k, v, w, g, st = make_inputs(B, T, H, D, Lv, decay=carried, state=carried, dtype=dtype)
         o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
-        (o.float().sum() + S.sum() + z.sum()).backward()
+        (o.float().sum() + (S.sum() + z.sum() if on_state else 0)).backward()
+    for T in (512, 2048):  # the forward alone, with a chunk count divisible by 16 and one not
+        q, k, v, w, g, st = make_inputs(2, T, H, D, Lv, dtype=dtype, grad=False)
+        la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
     for T in (1, 5):  # decode: one token and a short prefix, with a carried state
-        q, k, v, w, g, st = make_inputs(B, T, H, D, Lv, state=True, dtype=dtype, grad=False)
+        q, k, v, w, g, st = make_inputs(2, T, H, D, Lv, state=True, dtype=dtype, grad=False)
         la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
 
 
 def _run_moe(dtype):
+    """Low-rank and dense experts forward and backward, in the tokens' dtype and (below fp32) as
+    the fp32 masters the model passes under autocast; and the forward alone."""
     from fractus.bench.moe import make_case
     from fractus.kernels import moe
     for lowrank, d, E, F, r in ((True, 1280, 16, 2048, 64), (False, 512, 8, 512, 0)):
         x, idx, w, ex = make_case(300, d, E, F, r, 2, lowrank=lowrank, dtype=dtype)
-        moe.moe_triton(x, idx, w, ex).float().sum().backward()
+        masters = {k: v.detach().float().requires_grad_() for k, v in ex.items()}
+        for experts in (ex, masters) if dtype != torch.float32 else (ex,):
+            moe.moe_triton(x, idx, w, experts).float().sum().backward()
+        with torch.no_grad():
+            moe.moe_triton(x, idx, w, ex)
 
 
 def _run_cross_entropy(dtype):
@@ -170,23 +184,23 @@ OPS = {"linear_attention": _run_linear_attention, "moe": _run_moe, "cross_entrop
 
 
 def _run_fla():
-    """fla's chunk_linear_attn as the GPU suite times it (bf16, 40 level·heads, D=64), forward and
-    backward, on the GPU when there is one (its wrappers pick configs by the device they find)."""
-    from fractus.bench.linear_attention import _fla_fn, make_inputs
+    """fla's chunk_linear_attn as the GPU suite times it (bf16, at T=2048), forward and backward,
+    on the GPU when there is one (its wrappers pick configs by the device they find)."""
+    from fractus.bench.linear_attention import GPU_SHAPE, _fla_fn, make_inputs
     from fractus.model import level_omegas
-    q, k, v, w, _, _ = make_inputs(8, 2048, 20, 64, 2, dtype=torch.bfloat16,
+    q, k, v, w, _, _ = make_inputs(T=2048, **GPU_SHAPE, dtype=torch.bfloat16,
                                    device="cuda" if torch.cuda.is_available() else "cpu")
-    _fla_fn()[0](q, k, v, w, level_omegas(2)).float().sum().backward()
+    _fla_fn()[0](q, k, v, w, level_omegas(GPU_SHAPE["levels"])).float().sum().backward()
 
 
 def _run_bwd64():
     """The attention's backward in chunks of 64 (``triton_bwd64``) as the GPU suite times it (bf16,
     at each of its lengths: the chunk count is an argument Triton specialises on divisibility by 16)."""
-    from fractus.bench.linear_attention import GPU_TS, _fwd_bwd, make_inputs
+    from fractus.bench.linear_attention import GPU_SHAPE, GPU_TS, _fwd_bwd, make_inputs
     from fractus.model import level_omegas
     for T in GPU_TS:
-        q, k, v, w, _, _ = make_inputs(8, T, 20, 64, 2, dtype=torch.bfloat16)
-        _fwd_bwd("triton_bwd64", q, k, v, w, level_omegas(2))
+        q, k, v, w, _, _ = make_inputs(T=T, **GPU_SHAPE, dtype=torch.bfloat16)
+        _fwd_bwd("triton_bwd64", q, k, v, w, level_omegas(GPU_SHAPE["levels"]))
 
 
 def _run_offsets():

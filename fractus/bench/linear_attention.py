@@ -31,7 +31,8 @@ from fractus.model import level_omegas
 CPU_THREADS = 1  # CPU timings: the bench machine's 2 cores are shared, OpenMP contention is erratic
 
 
-GPU_TS = (512, 2048, 8192)  # sequence lengths the GPU suite times (B=8, 40 level·heads, D=64, bf16)
+GPU_TS = (512, 2048, 8192)  # sequence lengths the GPU suite times, in bf16 at GPU_SHAPE
+GPU_SHAPE = dict(B=8, H=20, D=64, levels=2)  # 40 level·heads
 
 
 def make_inputs(B, T, H, D, levels=2, decay=False, state=False, dtype=torch.float32,
@@ -213,7 +214,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
     if smoke:
         device, H, Lv, D, B, Ts = "cpu", 2, 2, 32, 1, (40,)
     else:
-        device, H, Lv, D, B, Ts = "cuda", 20, 2, 64, 8, GPU_TS
+        device, H, Lv, D, B, Ts = "cuda", GPU_SHAPE["H"], GPU_SHAPE["levels"], GPU_SHAPE["D"], GPU_SHAPE["B"], GPU_TS
     dname = common.dtype_name(dtype)
     oms = level_omegas(Lv)
     timer = (lambda f: common.median_time(f, warmup=1, reps=2, device=device)) if smoke else \

@@ -15,6 +15,7 @@ from fractus.kernels.moe import moe, moe_reference
 
 PALIER2 = dict(d=512, E=16, F=512, r=64, K=2)
 ONE_B = dict(d=1280, E=128, F=2048, r=64, K=2)
+GPU_TOKENS = (16384, 65536)  # token counts the GPU suite times at ONE_B (the dense experts at the first)
 TINY = dict(d=48, E=7, F=80, r=16, K=2)
 GATHER_CHUNK = 1024  # tokens per forward+backward of the gather baseline (its memory is ∝ tokens)
 
@@ -147,7 +148,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
     if smoke:
         device, dims, tokens = "cpu", TINY, (37,)
     else:
-        device, dims, tokens = "cuda", ONE_B, (16384, 65536)
+        device, dims, tokens = "cuda", ONE_B, GPU_TOKENS
     elt = torch.finfo(dtype).bits // 8
     rows = []
     cases = [(N, True) for N in tokens] + [(tokens[0], False)]
