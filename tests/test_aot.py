@@ -107,6 +107,45 @@ def test_fla_launches_are_captured_and_compile_for_sm90():
     assert any("fwd" in n for n in names) and any("bwd" in n for n in names), names
 
 
+def test_captured_launches_keep_stand_ins_that_compile_as_their_tensors():
+    """A precompile worker holds every launch it captured while it compiles: a launch keeps, for
+    each tensor, a two-element stand-in of its dtype and 16-byte alignment (an unaligned view's
+    too), so the captured tensors are freed; what it compiles, and its compile keys, are those
+    of the tensors themselves (a capture that keeps them)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = """
+import gc, weakref
+import torch
+from fractus.bench import aot
+from fractus.kernels import backend, linear_attention as la
+from fractus.model import level_omegas
+
+def captured():
+    x = torch.randn(3 * 17 * 2 * 48 + 1, requires_grad=True)
+    q = x[1:].view(3, 17, 2, 48)  # one element past an aligned start
+    out = []
+    with aot.capture(la, "la", torch.float32, out), aot.triton_on_cpu(backend):
+        o, _ = la.linear_attention(q, q * 0.5, q + 1, torch.ones(1), level_omegas(1), backend="triton")
+        o.sum().backward()
+    keys = {f: [aot.compile_key(L, fn, kw) for L, fn, kw in aot._compiles(out, f)] for f in (True, False)}
+    tensors = [a for L in out for a in (*L.args, *L.kwargs.values(), *(v for s in L.specs.values()
+                                                                       for _, kw in s for v in kw.values()))
+               if isinstance(a, torch.Tensor)]
+    return weakref.ref(x), out, keys, tensors
+
+ref, out, light, tensors = captured()
+gc.collect()
+assert ref() is None and tensors and max(t.numel() for t in tensors) <= 2
+assert {t.data_ptr() % 16 == 0 for t in tensors} == {True, False}
+aot.stand_in = lambda x: x
+ref, out, full, tensors = captured()
+assert ref() is not None and max(t.numel() for t in tensors) > 2
+assert full == light and len(full[True]) > len(full[False]) > 3, (len(full[True]), len(full[False]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_distinct_compiles_drops_only_launches_that_compile_alike(tmp_path):
     """Precompile compiles each binary once: repeats of a launch (a preset's layers) are dropped;
     a constexpr, an argument's dtype, an integer's divisibility by 16 or a config keeps it apart.

@@ -44,14 +44,33 @@ TABLE_DTYPES = SUITE_DTYPES + (torch.float16,)
 
 @dataclass
 class Launch:
-    """One captured kernel launch: the kernel object (Autotuner or JITFunction) and its arguments;
-    ``dtype`` is the op's input dtype."""
+    """One captured kernel launch: the kernel object (Autotuner, Heuristics or JITFunction) and its
+    arguments, each tensor as a :func:`stand_in`; ``specs[all_configs]``: the (JIT function, keyword
+    arguments) it compiles (:func:`_specialisations`, resolved with the real arguments when
+    captured); ``dtype`` is the op's input dtype."""
     op: str
     dtype: str
     name: str
     kernel: object
     args: tuple
     kwargs: dict = field(default_factory=dict)
+    specs: dict = field(default_factory=dict)
+
+
+def stand_in(x):
+    """``x`` (an argument, or a tuple or dict of them) with each tensor replaced by a two-element
+    tensor of its dtype, device and 16-byte alignment: all that a compile sees of it. Captured launches
+    keep these, not the tensors (a worker's capture would otherwise hold every step's
+    activations: 10 GB of them at once)."""
+    if isinstance(x, tuple):
+        return tuple(stand_in(a) for a in x)
+    if isinstance(x, dict):
+        return {k: stand_in(v) for k, v in x.items()}
+    if not isinstance(x, torch.Tensor):
+        return x
+    s = torch.empty(2, dtype=x.dtype, device=x.device)[(0 if x.data_ptr() % 16 == 0 else 1):]
+    assert (s.data_ptr() % 16 == 0) == (x.data_ptr() % 16 == 0), x.dtype
+    return s
 
 
 def _offline_driver(arch: int):
@@ -108,8 +127,12 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
             self.name, self.kernel = name, kernel
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(
-                Launch(op, str(dtype).replace("torch.", ""), self.name, self.kernel, args, kwargs))
+            def record(*args, **kwargs):
+                specs = {flag: [(fn, stand_in(kw)) for fn, kw in _specialisations(self.kernel, args, kwargs, flag)]
+                         for flag in (True, False)}
+                launches.append(Launch(op, str(dtype).replace("torch.", ""), self.name, self.kernel,
+                                       stand_in(args), stand_in(kwargs), specs))
+            return record
 
     kernels = kernels_of(module)
     try:
@@ -400,7 +423,7 @@ _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 def _compiles(captured: list[Launch], all_configs: bool = True):
     """(launch, JIT function, keyword arguments) of every captured launch × autotune config."""
     for L in captured:
-        for fn, kw in _specialisations(L.kernel, L.args, L.kwargs, all_configs):
+        for fn, kw in L.specs[all_configs]:
             yield L, fn, kw
 
 
