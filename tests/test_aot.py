@@ -180,13 +180,13 @@ print([i for i, c in enumerate(compiles) if not any(c[0] is k[0] for k in kept)]
 def test_precompile_covers_what_the_suite_stages_launch():
     """The GPU suite precompiles the ops' launches and ``gpu.model_runs()``: every compile that its
     stages need is among them, so that none compiles one at a time on the device. The model
-    stages: the training sweep at a batch divisible by 16 with the carried state, lever recipes at
-    B=1 and chunk 16 in bf16 and fp32, the profile's, generation. The kernels' checks at their full
-    sizes (fp32 and bf16, the MoE's fp32 master experts, B=1), and their timings' Triton launches
-    (forward alone and forward+backward, the attention's chunk-64 backward). The stages run on CPU
-    with launches captured (their losses are garbage: nothing is launched) and bf16 matmuls
-    computed in fp32, as the precompile's captures run; CPU autocast stands for CUDA's, as the
-    model casts the kernels' inputs to the autocast dtype itself."""
+    stages: the training sweep at a batch divisible by 16 with the carried state, every lever recipe
+    on the Triton kernels (bf16, and the fp32 variant), every profile recipe, generation. The
+    kernels' checks at their full sizes (fp32 and bf16, the MoE's fp32 master experts, B=1), and
+    their timings' Triton launches (forward alone and forward+backward, the attention's chunk-64
+    backward). The stages run on CPU with launches captured (their losses are garbage: nothing is
+    launched) and bf16 matmuls computed in fp32, as the precompile's captures run; CPU autocast
+    stands for CUDA's, as the model casts the kernels' inputs to the autocast dtype itself."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = """
 import torch
@@ -230,11 +230,11 @@ plan = levers.gpu_plan(cuda=True)
 kw = dict(min_tokens=0, min_steps=1, warmup=1, device="cpu", backend="triton")
 needed = {**stage(lambda: train.measure_training("palier0", **train_recipe("palier0", 128, 64).trainer_kwargs(),
                                                    steps=1, warmup=1, device="cpu", bf16=True, backend="triton")),
-          **stage(lambda: levers.measure_speed(plan[0][2], bf16=True, **kw)),
-          **stage(lambda: levers.measure_speed(plan[-2][2], bf16=False, **kw)),
-          **stage(lambda: levers.measure_speed(profile.gpu_recipes(cuda=True)[1][1], bf16=True, **kw)),
           **stage(generate), **stage(timings),
           **stage(lambda: kuramoto_rows(torch.device("cpu"), False, timing=False))}
+recipes = [(r, bf16) for _, _, r, bf16, backend in plan if backend != "torch"]
+for r, bf16 in recipes + [(r, True) for _, r in profile.gpu_recipes(cuda=True)]:
+    needed.update(stage(lambda: levers.measure_speed(r, bf16=bf16, **kw)))
 for bench in (la, moe, ce):
     needed.update(stage(lambda: bench.correctness_rows("cpu")))
 missing = sorted({n for k, n in needed.items() if k not in pre})
