@@ -109,8 +109,8 @@ def test_fla_launches_are_captured_and_compile_for_sm90():
 
 def test_captured_launches_keep_stand_ins_that_compile_as_their_tensors():
     """A precompile worker holds every launch it captured while it compiles: a launch keeps, for
-    each tensor, a two-element stand-in of its dtype and 16-byte alignment (an unaligned view's
-    too), so the captured tensors are freed; what it compiles, and its compile keys, are those
+    each tensor, a two-element stand-in of its dtype, device and 16-byte alignment (an unaligned
+    view's too), so the captured tensors are freed; what it compiles, and its compile keys, are those
     of the tensors themselves (a capture that keeps them)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = """
@@ -162,7 +162,7 @@ def toy_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32))
 
 def launch(x, n, block, warps=4):
-    return aot.Launch("toy", "float32", "toy_kernel", toy_kernel, (x, n), {}), toy_kernel, \\
+    return aot.Launch("toy", "float32", "toy_kernel", (x, n), {}), toy_kernel, \\
         {"BLOCK": block, "num_warps": warps}
 x = torch.zeros(64)
 compiles = [launch(x, 32, 16), launch(torch.zeros(128), 48, 16),  # alike: same dtype, n % 16 == 0
