@@ -128,8 +128,7 @@ def captured():
         o, _ = la.linear_attention(q, q * 0.5, q + 1, torch.ones(1), level_omegas(1), backend="triton")
         o.sum().backward()
     keys = {f: [aot.compile_key(L, fn, kw) for L, fn, kw in aot._compiles(out, f)] for f in (True, False)}
-    tensors = [a for L in out for a in (*L.args, *L.kwargs.values(), *(v for s in L.specs.values()
-                                                                       for _, kw in s for v in kw.values()))
+    tensors = [a for L in out for a in (*L.args, *(v for s in L.specs.values() for _, kw in s for v in kw.values()))
                if isinstance(a, torch.Tensor)]
     return weakref.ref(x), out, keys, tensors
 
@@ -162,7 +161,7 @@ def toy_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32))
 
 def launch(x, n, block, warps=4):
-    return aot.Launch("toy", "float32", "toy_kernel", (x, n), {}), toy_kernel, \\
+    return aot.Launch("toy", "float32", "toy_kernel", (x, n)), toy_kernel, \\
         {"BLOCK": block, "num_warps": warps}
 x = torch.zeros(64)
 compiles = [launch(x, 32, 16), launch(torch.zeros(128), 48, 16),  # alike: same dtype, n % 16 == 0

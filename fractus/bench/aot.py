@@ -44,15 +44,14 @@ TABLE_DTYPES = SUITE_DTYPES + (torch.float16,)
 
 @dataclass
 class Launch:
-    """One captured kernel launch: its arguments, each tensor as a :func:`stand_in`, and
-    ``specs[all_configs]``: the (JIT function, keyword arguments) it compiles, resolved through the
-    kernel's wrappers with the real arguments when captured (:func:`_specialisations`); ``name``
-    is the kernel's, ``dtype`` the op's input dtype."""
+    """One captured kernel launch: its positional arguments, each tensor as a :func:`stand_in`, and
+    ``specs[all_configs]``: the (JIT function, keyword arguments, its own among them) it compiles,
+    resolved through the kernel's wrappers with the real arguments when captured
+    (:func:`_specialisations`); ``name`` is the kernel's, ``dtype`` the op's input dtype."""
     op: str
     dtype: str
     name: str
     args: tuple
-    kwargs: dict = field(default_factory=dict)
     specs: dict = field(default_factory=dict)
 
 
@@ -129,8 +128,7 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
             def record(*args, **kwargs):
                 specs = {flag: [(fn, stand_in(kw)) for fn, kw in _specialisations(self.kernel, args, kwargs, flag)]
                          for flag in (True, False)}
-                launches.append(Launch(op, str(dtype).replace("torch.", ""), self.name, stand_in(args),
-                                       stand_in(kwargs), specs))
+                launches.append(Launch(op, str(dtype).replace("torch.", ""), self.name, stand_in(args), specs))
             return record
 
     kernels = kernels_of(module)
