@@ -26,9 +26,11 @@ def ddp_args(data, out, steps: int, *extra) -> list[str]:
             "--no-progress", "--threads", "1", *extra]
 
 
-def torchrun(*argv, ok: bool = True) -> str:
-    """Run 2 processes (all of them exit with 0, or not: ``ok``); their stdout and stderr."""
-    r = subprocess.run([*TORCHRUN, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def torchrun(tmp_path, *argv, ok: bool = True) -> str:
+    """Run 2 processes (all of them exit with 0, or not: ``ok``), torchrun's log directories under
+    ``tmp_path`` (not one left in the system's temp directory per run); their stdout and stderr."""
+    r = subprocess.run([*TORCHRUN, "--log-dir", str(tmp_path / "torchrun"), *argv], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
     assert (r.returncode == 0) == ok, r.stderr[-3000:]
     return r.stdout + r.stderr
 
@@ -43,7 +45,7 @@ def test_ddp_step_equals_single_process_step(tmp_path, extra):
     common = ["--preset", "tiny", "--data", str(data), "--tokens", "128", "--chunk-len", "16",
               "--accum", "2", "--optimizer", "sgd", "--lr", "1.0", "--warmup", "1", "--lb-coef", "0",
               "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--threads", "1", *extra]
-    log = torchrun("-m", "fractus.train", *common, "--batch-size", "2", "--out", str(tmp_path / "ddp"))
+    log = torchrun(tmp_path, "-m", "fractus.train", *common, "--batch-size", "2", "--out", str(tmp_path / "ddp"))
     assert "2 process(es)" in log and "global batch 2×2 streams" in log
     train([*common, "--batch-size", "4", "--out", str(tmp_path / "one")])
 
@@ -96,15 +98,15 @@ def test_ddp_stop_and_resume_equals_uninterrupted(tmp_path):
     stop = patched_trainer(tmp_path / "stop.py", STOP_ON_RANK_1)
 
     full, out = tmp_path / "full", tmp_path / "run"
-    torchrun("-m", "fractus.train", *ddp_args(data, full, 6))
-    log = torchrun(stop, *ddp_args(data, out, 6), ok=False)  # saved, but not finished: not 0
+    torchrun(tmp_path, "-m", "fractus.train", *ddp_args(data, full, 6))
+    log = torchrun(tmp_path, stop, *ddp_args(data, out, 6), ok=False)  # saved, but not finished: not 0
     assert "stopped at step 3 of 6" in log
     assert "rank 1 exits with 130" in log and "rank 0 exits with 143" in log  # its own signal; a peer's
     ck = load_checkpoint(out / "ckpt.pt")
     assert ck["step"] == 3 and len(ck["states"]) == 2
     s0, s1 = ck["states"]
     assert not torch.equal(s0[0][0], s1[0][0]), "each process carries the state of its own streams"
-    torchrun("-m", "fractus.train", *ddp_args(data, out, 6, "--resume"))
+    torchrun(tmp_path, "-m", "fractus.train", *ddp_args(data, out, 6, "--resume"))
     assert metrics_rows(out, SAME) == metrics_rows(full, SAME)
     a, b = load_checkpoint(out / "ckpt.pt"), load_checkpoint(full / "ckpt.pt")
     for k, v in b["model"].items():
@@ -123,7 +125,7 @@ T.micro_steps = micro_steps
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch build has no gloo backend")
 def test_ddp_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    log = torchrun(patched_trainer(tmp_path / "nan.py", NAN_ON_RANK_1),
+    log = torchrun(tmp_path, patched_trainer(tmp_path / "nan.py", NAN_ON_RANK_1),
                    *ddp_args(make_corpus(tmp_path), tmp_path / "run", 4))
     assert log.count("non-finite loss, step skipped (1/3 in a row)") == 2  # both ranks skip it
     ck = load_checkpoint(tmp_path / "run" / "ckpt.pt")
