@@ -124,9 +124,12 @@ def token_dtype(vocab_size: int) -> type:
 
 
 def _write_tokens(path: Path, ids: list[int], vocab_size: int) -> None:
-    dtype = token_dtype(vocab_size)
+    """``ids`` to ``path`` as :func:`token_dtype` integers, atomically. Written with the file's own
+    ``write``: a failure is the OS's error (e.g. a full disk), where ``ndarray.tofile`` reports
+    only the bytes it wrote."""
+    data = np.asarray(ids, dtype=token_dtype(vocab_size))
     with atomic_open(path, "wb") as f:
-        np.asarray(ids, dtype=dtype).tofile(f)
+        f.write(data.tobytes())
 
 
 def write_toy_corpus(path: str | Path, n_lines: int = 600, seed: int = 0) -> Path:
@@ -182,7 +185,9 @@ META_FIELDS = {"vocab_size": int, "source": str, "train.tokens": int, "val.token
 
 
 def load_meta(data_dir: str | Path) -> dict:
-    """``data_dir/meta.json``; ValueError naming it unless it holds :data:`META_FIELDS`."""
+    """``data_dir/meta.json``; ValueError naming it unless it holds :data:`META_FIELDS` and its
+    ``vocab_size`` is the vocabulary of its ``encoding`` (the tokenizer the data was encoded with:
+    another size would score the end-of-text id as text and mismeasure bits per byte)."""
     path = Path(data_dir) / "meta.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: run `python -m fractus.data prepare "
@@ -195,13 +200,17 @@ def load_meta(data_dir: str | Path) -> dict:
                 value = value.get(key) if isinstance(value, dict) else None
             if type(value) is not kind:
                 raise ValueError(f"{name} is {'missing' if value is None else repr(value)}, not {kind.__name__}")
+        encoding, vocab = meta.get("encoding"), get_tokenizer(meta["vocab_size"]).name
+        if encoding is not None and encoding != vocab:
+            raise ValueError(f"vocab_size {meta['vocab_size']} is not the vocabulary of its encoding {encoding!r}")
     except ValueError as e:  # also invalid JSON or UTF-8
         raise ValueError(f"{path} is damaged ({e}): prepare the data again") from None
     return meta
 
 
 def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> np.memmap:
-    """The split's token ids as a read-only memory map; every id checked against the vocabulary."""
+    """The split's token ids as a read-only memory map; every id checked against the vocabulary,
+    and the last one must be its end-of-text id (vocab_size − 1), which ends every document."""
     meta = meta or load_meta(data_dir)
     dtype = token_dtype(meta["vocab_size"])
     path = Path(data_dir) / f"{split}.bin"
@@ -214,6 +223,11 @@ def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> n
     if len(bad):
         raise ValueError(f"{path} holds token ids ≥ vocab_size {meta['vocab_size']} ({len(bad)} of them, the "
                          f"first {int(tokens[bad[0]])} at position {int(bad[0])}): prepare the data again")
+    eot = meta["vocab_size"] - 1
+    if n and tokens[-1] != eot:
+        raise ValueError(f"{path} ends with token id {int(tokens[-1])}, not the end-of-text id {eot} of meta.json's "
+                         f"vocab_size {meta['vocab_size']}: it was encoded with another vocabulary, prepare the "
+                         "data again")
     return tokens
 
 

@@ -20,7 +20,7 @@ from fractus.checkpoint import CheckpointError
 from fractus.cli import device_name, positive_int
 from fractus.data import load_meta, load_tokens
 from fractus.kernels.backend import BACKENDS
-from fractus.model import FractusCTE
+from fractus.model import load_model
 from fractus.records import append_csv, csv_rows, provenance
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import evaluate
@@ -34,7 +34,7 @@ def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "val", 
     """{val_ce, val_bpb, val_ppl, val_tokens} of the checkpoint's model on ``split`` of ``data``
     (kernels: ``backend``, whatever the checkpoint was trained with); ValueError if the CE is not finite."""
     meta = load_meta(data)
-    model = FractusCTE.load(ckpt, backend=backend).to(device)
+    model = load_model(ckpt, backend=backend).to(device)
     if model.cfg.vocab_size != meta["vocab_size"]:
         raise CheckpointError(f"{ckpt} has vocab_size {model.cfg.vocab_size}, the data {data} "
                               f"{meta['vocab_size']}")

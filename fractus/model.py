@@ -29,7 +29,9 @@ from fractus.kernels.moe import moe
 
 PHI = (1 + 5 ** 0.5) / 2
 
-State = list[tuple[torch.Tensor, torch.Tensor]]  # per block: (S [B, Lv, H, D, D], z [B, Lv, H, D]) fp32
+# per block: (S [B, Lv, H, D, D], z [B, Lv, H, D]) fp32, and with a short convolution its last
+# W − 1 inputs [B, W − 1, 3d] fp32
+State = list[tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -39,7 +41,14 @@ class FractusConfig:
     n_heads: int = 2
     n_layers: int = 2
     n_levels: int = 2
-    attn_decay: float | tuple[float, ...] = 1.0  # γ for every head, or one per head
+    attn_decay: float | tuple[float, ...] | str = 1.0  # γ for every head, one per head, one per (level, head) or "multiscale"
+    attn_norm: str = "denominator"  # "denominator" (f(q)ᵀz) or "rms" (per-head RMSNorm of the numerator)
+    attn_gate: bool = False  # swish output gate: o ← o ⊙ silu(LN(h)·W_g)
+    short_conv: int = 0  # width of a causal depthwise convolution on q, k, v (0: none)
+    qk_norm: bool = False  # RMS-normalise q and k per head before the feature map
+    eot_reset: bool = False  # an end-of-text token (id vocab_size − 1) starts the state afresh
+    shared_expert: int = 0  # d_ff of a dense expert every token uses beside the routed ones (0: none)
+    expert_init_std: float = 0.02  # std of the experts' output factors (U2/W2) is this / √(2·n_layers)
     n_experts: int = 4
     top_k: int = 2
     expert_d_ff: int = 128
@@ -71,10 +80,15 @@ class FractusConfig:
                 setattr(self, name, type(getattr(FractusConfig, name))(value))
         if errors:
             raise ValueError("bad config: " + "; ".join(errors))
+        if self.attn_decay == "multiscale":
+            self.attn_decay = multiscale_decays(self.n_heads, self.n_levels)
         if isinstance(self.attn_decay, (list, tuple)):
             self.attn_decay = tuple(float(g) for g in self.attn_decay)
-            if len(self.attn_decay) != self.n_heads:
-                raise ValueError(f"attn_decay has {len(self.attn_decay)} values for {self.n_heads} heads")
+            if len(self.attn_decay) not in (self.n_heads, self.n_levels * self.n_heads):
+                raise ValueError(f"attn_decay has {len(self.attn_decay)} values: give one per head ({self.n_heads}) "
+                                 f"or one per (level, head) ({self.n_levels * self.n_heads}, level-major)")
+        if self.short_conv == 1:
+            raise ValueError("short_conv must be 0 (none) or a width ≥ 2, got 1")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
         if self.top_k > self.n_experts:
@@ -86,6 +100,7 @@ class FractusConfig:
 
     @property
     def decays(self) -> tuple[float, ...]:
+        """γ per head [H] (the same at every level) or per (level, head) [Lv·H], level-major."""
         g = self.attn_decay
         return tuple(g) if isinstance(g, tuple) else (float(g),) * self.n_heads
 
@@ -134,8 +149,11 @@ def _one_of(*choices: str):
 _FIELD_CHECKS = {  # field → (what it must be, check)
     "vocab_size": _int_min(1), "d_model": _int_min(1), "n_heads": _int_min(1), "n_layers": _int_min(1),
     "n_levels": _int_min(1),
-    "attn_decay": ("a number in (0, 1] or a list of one per head",
-                   lambda v: _decay(v) or isinstance(v, (list, tuple)) and all(map(_decay, v))),
+    "attn_decay": ("a number in (0, 1], a list of one per head or per (level, head), or 'multiscale'",
+                   lambda v: _decay(v) or v == "multiscale" or isinstance(v, (list, tuple)) and all(map(_decay, v))),
+    "attn_norm": _one_of("denominator", "rms"), "attn_gate": _BOOL, "short_conv": _int_min(0), "qk_norm": _BOOL,
+    "eot_reset": _BOOL,
+    "shared_expert": _int_min(0), "expert_init_std": _POSITIVE,
     "n_experts": _int_min(1), "top_k": _int_min(1), "expert_d_ff": _int_min(1), "expert_rank": _int_min(0),
     "n_oscillators": _int_min(1), "coupling_rank": _int_min(1), "kuramoto_steps": _int_min(1),
     "kuramoto_dt": _POSITIVE, "kuramoto_damping": _NON_NEGATIVE, "detach_kuramoto": _BOOL,
@@ -161,6 +179,17 @@ PRESETS = {
 }
 
 
+MULTISCALE = (4.0, 2.0, 12.0)  # log2 of 1 − γ: first, step, last (see multiscale_decays)
+
+
+def multiscale_decays(n_heads: int, n_levels: int) -> tuple[float, ...]:
+    """γ per (level, head), level-major [Lv·H]: 1 − 2^−min(a + s·i, c) with i = h·Lv + l, (a, s, c) =
+    MULTISCALE, so the memory 1/(1 − γ) of the (level, head) pairs runs from 2^a tokens up by factors
+    of 2^s to at most 2^c. Indexed head-major, so adding heads keeps every existing head's values."""
+    a, s, c = MULTISCALE
+    return tuple(1 - 2 ** -min(a + s * (h * n_levels + l), c) for l in range(n_levels) for h in range(n_heads))
+
+
 def level_omegas(n_levels: int) -> list[float]:
     """Feature-map offsets ω_l = φ^(−2l)."""
     return [PHI ** (-2 * l) for l in range(n_levels)]
@@ -178,36 +207,95 @@ def _farey_angles(n_experts: int) -> tuple[float, ...]:
     return tuple(2 * math.pi * float(seq[(i * len(seq)) // n_experts]) for i in range(n_experts))
 
 
+class ShortConv(nn.Module):
+    """Causal depthwise convolution over time, width W, whose last W − 1 inputs are carried.
+
+    y_t = Σ_j w_j ⊙ x_{t−j} (j = 0 … W − 1); the inputs before the chunk come from the carried
+    buffer (zeros for a fresh state), so a chunk and its positions one by one give the same
+    outputs. With resets, x_{t−j} counts only if no reset lies in (t − j, t]."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.width = width
+        self.weight = nn.Parameter(torch.empty(width, channels))  # weight[j] multiplies x_{t−j}
+        nn.init.uniform_(self.weight, -1 / math.sqrt(width), 1 / math.sqrt(width))  # nn.Conv1d's default
+
+    def forward(self, x: torch.Tensor, prev: torch.Tensor | None, resets: torch.Tensor | None = None):
+        """x [B, T, C], prev [B, W − 1, C] fp32 or None, resets [B, T] bool or None →
+        (y [B, T, C], new buffer [B, W − 1, C] fp32)."""
+        B, T, C = x.shape
+        W = self.width
+        if prev is None:
+            prev = x.new_zeros(B, W - 1, C, dtype=torch.float32)
+        xp = torch.cat([prev.to(x.dtype), x], 1)  # [B, W − 1 + T, C]
+        w = self.weight.to(x.dtype)
+        y = x * w[0]
+        seen = None if resets is None else resets.cumsum(1)  # resets up to t [B, T]
+        for j in range(1, W):
+            tap = xp[:, W - 1 - j:W - 1 - j + T] * w[j]
+            if seen is not None:  # no reset in (t − j, t]: seen_t − seen_{t−j} = 0 (none before the chunk)
+                before = F.pad(seen, (j, 0))[:, :T]
+                tap = tap * (seen == before).unsqueeze(-1).to(x.dtype)
+            y = y + tap
+        buf = xp[:, T:]
+        if seen is not None:  # inputs before the chunk's last reset leave the buffer as zeros
+            after = seen[:, -1:] - F.pad(seen, (W - 1, 0))[:, T:]  # resets after each buffered input
+            buf = buf * (after == 0).unsqueeze(-1).to(x.dtype)
+        return y, buf.float()
+
+
 class LinearAttention(nn.Module):
     """Multi-level causal linear attention; carries (S, z) per (level, head).
 
-    q, k, v = LN(h)·W + b in H heads of D. Level l, feature map f_l(u) = elu(u + ω_l) + 1:
-    S_t = γ_h·S_{t−1} + f_l(k_t) v_tᵀ, z_t = γ_h·z_{t−1} + f_l(k_t) (inclusive of t),
-    y_l = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + ε); o = Σ_l softmax(level_logits)_l·y_l, then W_o, b_o.
+    q, k, v = LN(h)·W + b in H heads of D (through a short causal convolution when
+    ``short_conv``; RMS-normalised per head when ``qk_norm``). Level l, feature map
+    f_l(u) = elu(u + ω_l) + 1: S_t = γ_{l,h}·S_{t−1} + f_l(k_t) v_tᵀ, z_t = γ_{l,h}·z_{t−1} + f_l(k_t)
+    (inclusive of t); y_l = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + ε) with ``attn_norm="denominator"``,
+    y_l = f_l(q_t)ᵀ S_t with "rms"; o = Σ_l softmax(level_logits)_l·y_l, then for "rms" a per-head
+    RMSNorm over D, for ``attn_gate`` ⊙ silu(LN(h)·W_g), then W_o, b_o.
     S [B, Lv, H, D, D] and z [B, Lv, H, D] stay fp32 (:mod:`fractus.kernels.linear_attention`).
     """
 
     def __init__(self, cfg: FractusConfig):
         super().__init__()
         self.cfg = cfg
-        d = cfg.d_model
+        d, H, Lv = cfg.d_model, cfg.n_heads, cfg.n_levels
         self.ln = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
+        self.conv = ShortConv(3 * d, cfg.short_conv) if cfg.short_conv else None
+        self.norm = nn.Parameter(torch.ones(H, cfg.d_head)) if cfg.attn_norm == "rms" else None
+        self.gate = nn.Linear(d, d) if cfg.attn_gate else None
         self.out = nn.Linear(d, d)
-        self.level_logits = nn.Parameter(torch.zeros(cfg.n_levels))
-        self.register_buffer("decay", torch.tensor(cfg.decays), persistent=False)
-        self.omegas = level_omegas(cfg.n_levels)
+        self.level_logits = nn.Parameter(torch.zeros(Lv))
+        g = torch.tensor(cfg.decays)
+        self.register_buffer("decay", g.view(Lv, H) if g.numel() == Lv * H else g, persistent=False)
+        self.omegas = level_omegas(Lv)
 
-    def forward(self, h: torch.Tensor, state):
-        """h [B, T, d], state (S, z) or None → (residual update [B, T, d], new state)."""
+    def forward(self, h: torch.Tensor, state, resets: torch.Tensor | None = None):
+        """h [B, T, d], state (S, z[, conv buffer]) or None, resets [B, T] bool or None (the state
+        starts afresh before those positions) → (residual update [B, T, d], new state)."""
         B, T, d = h.shape
         H, D = self.cfg.n_heads, self.cfg.d_head
-        q, k, v = self.qkv(self.ln(h)).view(B, T, 3, H, D).unbind(2)
+        a = self.ln(h)
+        qkv = self.qkv(a)
+        attn_state = None if state is None else state[:2]
+        conv_state = ()
+        if self.conv is not None:
+            qkv, buf = self.conv(qkv, None if state is None else state[2], resets)
+            conv_state = (buf,)
+        q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
+        if self.cfg.qk_norm:
+            q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
         decay = None if all(g == 1 for g in self.cfg.decays) else self.decay  # from the config: no sync
         o, new_state = linear_attention(q, k, v, self.level_logits.softmax(0), self.omegas,
-                                        decay=decay, state=state, eps=self.cfg.eps,
-                                        backend=self.cfg.backend)
-        return self.out(o.reshape(B, T, d)), new_state
+                                        decay=decay, state=attn_state, eps=self.cfg.eps,
+                                        backend=self.cfg.backend, normalize=self.norm is None, resets=resets)
+        if self.norm is not None:
+            o = F.rms_norm(o, (D,), eps=self.cfg.eps) * self.norm.to(o.dtype)
+        o = o.reshape(B, T, d)
+        if self.gate is not None:
+            o = o * F.silu(self.gate(a))
+        return self.out(o), (*new_state, *conv_state)
 
 
 class KuramotoClock(nn.Module):
@@ -256,7 +344,7 @@ class PhaseRoutedMoE(nn.Module):
         self.cfg = cfg
         E, d, Fd, r = cfg.n_experts, cfg.d_model, cfg.expert_d_ff, cfg.expert_rank
         self.ln = nn.LayerNorm(d)
-        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        out_std = cfg.expert_init_std / math.sqrt(2 * cfg.n_layers)
         if cfg.router == "phase":
             self.register_buffer("phases", farey_phases(E))
             self.log_kappa = nn.Parameter(torch.tensor(math.log(cfg.gate_kappa)))
@@ -275,6 +363,11 @@ class PhaseRoutedMoE(nn.Module):
             self.W2 = nn.Parameter(torch.randn(E, Fd, d) * out_std)
         self.b1 = nn.Parameter(torch.zeros(E, Fd))
         self.b2 = nn.Parameter(torch.zeros(E, d))
+        self.shared = None
+        if cfg.shared_expert:
+            self.shared = nn.Sequential(nn.Linear(d, cfg.shared_expert), nn.GELU(), nn.Linear(cfg.shared_expert, d))
+            nn.init.normal_(self.shared[2].weight, std=out_std)
+            nn.init.zeros_(self.shared[2].bias)
 
     def experts(self) -> dict[str, torch.Tensor]:
         names = ("V1", "U1", "b1", "s1", "V2", "U2", "b2", "s2") if self.cfg.expert_rank > 0 \
@@ -298,8 +391,10 @@ class PhaseRoutedMoE(nn.Module):
         w = top_p / top_p.sum(-1, keepdim=True)
         m = autocast_input(m)  # the experts stay fp32: the kernels cast the tiles they load
         out = moe(m.reshape(B * T, d), idx.reshape(B * T, -1), w.reshape(B * T, -1).to(m.dtype),
-                  self.experts(), backend=self.cfg.backend)
-        return out.view(B, T, d), p, idx
+                  self.experts(), backend=self.cfg.backend).view(B, T, d)
+        if self.shared is not None:
+            out = out + self.shared(m)
+        return out, p, idx
 
 
 def autocast_input(t: torch.Tensor) -> torch.Tensor:
@@ -324,9 +419,9 @@ class Block(nn.Module):
         self.clock = KuramotoClock(cfg) if cfg.router == "phase" else None  # the linear router reads m
         self.moe = PhaseRoutedMoE(cfg)
 
-    def forward(self, h, state):
+    def forward(self, h, state, resets=None):
         with record_function("attention"):
-            a, state = self.attn(h, state)
+            a, state = self.attn(h, state, resets)
             h = h + a
         psi = None
         if self.clock is not None:
@@ -351,17 +446,19 @@ class FractusCTE(nn.Module):
 
     # -- state --------------------------------------------------------------------------
     def init_state(self, batch_size: int, device=None) -> State:
-        """Zero (S, z) for every block: S [B, Lv, H, D, D], z [B, Lv, H, D] in fp32."""
+        """The zero state of every block: S [B, Lv, H, D, D], z [B, Lv, H, D] and, with a short
+        convolution, its buffer [B, W − 1, 3d], all fp32."""
         c = self.cfg
         device = device or self.embed.weight.device
+        conv = (torch.zeros(batch_size, c.short_conv - 1, 3 * c.d_model, device=device),) if c.short_conv else ()
         return [(torch.zeros(batch_size, c.n_levels, c.n_heads, c.d_head, c.d_head, device=device),
-                 torch.zeros(batch_size, c.n_levels, c.n_heads, c.d_head, device=device))
+                 torch.zeros(batch_size, c.n_levels, c.n_heads, c.d_head, device=device), *conv)
                 for _ in range(c.n_layers)]
 
     @staticmethod
     def detach_state(state: State | None, device=None) -> State | None:
         """The state without its graph (and on ``device`` when given)."""
-        return None if state is None else [(S.detach().to(device), z.detach().to(device)) for S, z in state]
+        return None if state is None else [tuple(t.detach().to(device) for t in block) for block in state]
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.head is None else self.head.weight
@@ -387,14 +484,15 @@ class FractusCTE(nn.Module):
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min {lo}, max {hi}")
 
-    def run_blocks(self, x: torch.Tensor, state: State | None):
-        """x [B, T, d] → (final normed hidden [B, T, d], new state, lb total, routing)."""
+    def run_blocks(self, x: torch.Tensor, state: State | None, resets: torch.Tensor | None = None):
+        """x [B, T, d], resets [B, T] bool or None → (final normed hidden [B, T, d], new state, lb total,
+        routing)."""
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state holds {len(state)} blocks' (S, z), the model has {len(self.blocks)} blocks")
         new_state, lb, routing = [], x.new_zeros((), dtype=torch.float32), []
         h = x
         for i, block in enumerate(self.blocks):
-            h, s, p, idx = block(h, None if state is None else state[i])
+            h, s, p, idx = block(h, None if state is None else state[i], resets)
             new_state.append(s)
             lb = lb + load_balance(p)
             routing.append((idx.detach(), p.detach()))
@@ -409,16 +507,27 @@ class FractusCTE(nn.Module):
         tensor: reading it waits for the device),
         ``routing`` [(expert ids [B, T, K], probs [B, T, E]) per block]. With targets the
         fused tied-head cross-entropy runs and logits are not formed. ``head_positions="last"``
-        supervises only the chunk's last position (the original's head-partial).
+        supervises only the chunk's last position (the original's head-partial). With ``eot_reset``
+        the state starts afresh at every end-of-text token (id vocab_size − 1), which begins a document.
         """
         self.check_tokens(idx)
         with record_function("embedding"):
             x = self.embed(idx)
-        return self.forward_embeds(x, state, targets, head_positions)
+        resets = None
+        if self.cfg.eot_reset:
+            resets = idx == self.cfg.vocab_size - 1
+        return self.forward_embeds(x, state, targets, head_positions, resets)
 
-    def forward_embeds(self, x, state=None, targets=None, head_positions="all"):
-        """As :meth:`forward` from input vectors x [B, T, d] instead of token ids."""
-        h, new_state, lb, routing = self.run_blocks(x, state)
+    def forward_embeds(self, x, state=None, targets=None, head_positions="all", resets=None):
+        """As :meth:`forward` from input vectors x [B, T, d] instead of token ids; resets [B, T] bool
+        or None: the state starts afresh before those positions."""
+        if x.shape[0] == 0:  # no streams: empty logits, the empty state carried on
+            if targets is not None:
+                raise ValueError("the batch is empty (0 streams): there is no position to score")
+            parts = {"lb": x.new_zeros((), dtype=torch.float32), "routing": [], "loss": None, "ce": None, "n": 0}
+            logits = x.new_zeros(0, x.shape[1], self.cfg.vocab_size)
+            return logits, parts, state if state is not None else self.init_state(0, x.device)
+        h, new_state, lb, routing = self.run_blocks(x, state, resets)
         with record_function("head_loss"):
             return self._head(h, new_state, lb, routing, targets, head_positions)
 
@@ -478,17 +587,18 @@ class FractusCTE(nn.Module):
         if ids.dim() != 1 or ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
             raise ValueError(f"generate takes one sequence of integer token ids (a list or a [T] tensor), "
                              f"got shape {tuple(ids.shape)} {ids.dtype}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+        if not _finite(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
+        if top_k is not None and not (_finite(top_k, numbers.Integral) and top_k >= 1):
+            raise ValueError(f"top_k must be an integer ≥ 1 or None, got {top_k!r}")
         ids = ids.to(device=self.embed.weight.device, dtype=torch.long)
         if ids.numel() == 0:
             raise ValueError("the prompt is empty: give at least one token")
         if not 0 <= temperature < math.inf:
             raise ValueError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature}")
-        if (top_k is not None and top_k < 1 or top_p is not None and not 0 < top_p <= 1
-                or not 0 < repetition_penalty < math.inf):
-            raise ValueError(f"need top_k ≥ 1 or None, top_p in (0, 1] or None, a finite repetition_penalty > 0; "
-                             f"got {top_k}, {top_p}, {repetition_penalty}")
+        if top_p is not None and not 0 < top_p <= 1 or not 0 < repetition_penalty < math.inf:
+            raise ValueError(f"need top_p in (0, 1] or None and a finite repetition_penalty > 0; "
+                             f"got {top_p}, {repetition_penalty}")
         gen = torch.Generator(device=ids.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()  # seed None: fresh, global RNG untouched
         was_training = self.training
@@ -511,17 +621,36 @@ class FractusCTE(nn.Module):
     def save(self, path, **extra) -> None:
         """Write config + weights (+ ``extra`` entries) atomically; see :mod:`fractus.checkpoint`."""
         from fractus.checkpoint import save_checkpoint
-        save_checkpoint(path, {"config": self.cfg.to_dict(), "model": self.state_dict(), **extra})
+        save_checkpoint(path, {"arch": "cte", "config": self.cfg.to_dict(), "model": self.state_dict(), **extra})
 
     @classmethod
     def load(cls, path, backend: str | None = None) -> "FractusCTE":
-        """The model of a checkpoint, on the CPU (``.to(device)`` moves it); ``backend`` replaces
-        the kernels' backend it was saved with (a run setting, e.g. 'triton' from a GPU)."""
-        from fractus.checkpoint import load_checkpoint, load_model_state
-        ckpt = load_checkpoint(path)
-        model = cls(FractusConfig.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})}))
-        load_model_state(model, ckpt["model"], path)
+        """The Fractus CTE of a checkpoint (see :func:`load_model`)."""
+        model = load_model(path, backend)
+        if not isinstance(model, cls):
+            raise ValueError(f"{path} holds a {type(model).__name__}, not a Fractus CTE")
         return model
+
+
+def load_model(path, backend: str | None = None) -> nn.Module:
+    """The model of a checkpoint, on the CPU (``.to(device)`` moves it): a :class:`FractusCTE`, or the
+    transformer baseline (:class:`fractus.baseline.GPT`) for a checkpoint whose ``arch`` is "gpt";
+    ``backend`` replaces the kernels' backend it was saved with (a run setting, e.g. 'triton' from a GPU)."""
+    from fractus.baseline import GPT, GPTConfig
+    from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
+    ckpt = load_checkpoint(path)
+    arch = ckpt.get("arch", "cte")
+    kinds = {"cte": (FractusCTE, FractusConfig), "gpt": (GPT, GPTConfig)}
+    if arch not in kinds:
+        raise CheckpointError(f"{path}: unknown model kind 'arch' {arch!r}; expected one of {sorted(kinds)}")
+    model_cls, cfg_cls = kinds[arch]
+    try:
+        cfg = cfg_cls.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
+    model = model_cls(cfg)
+    load_model_state(model, ckpt["model"], path)
+    return model
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

@@ -152,16 +152,21 @@ def run_rows(run: str | Path, label: str | None = None) -> list[dict]:
     ``run`` (``label``, by default the folder), ``weights`` (the fingerprint of the checkpoint's
     weights) and the provenance of the training process that logged its step (the checkpoint's
     ``sessions``; the last row's final validation: the last process's, which may only have validated
-    a finished run again). ValueError unless the run reached its planned steps, metrics.csv ends
-    there with the final validation, and the checkpoint records the process of every step."""
-    from fractus.train import planned_steps, read_metrics
+    a finished run again). ValueError unless the run reached its planned steps, metrics.csv holds
+    one row for each step and ends with the final validation, and the checkpoint records the process
+    of every step; CheckpointError for a checkpoint without a training state."""
+    from fractus.train import check_training_state, planned_steps, read_metrics
     run = Path(run)
     ckpt = load_checkpoint(run / "ckpt.pt")
+    check_training_state(ckpt, run / "ckpt.pt")
     rows = read_metrics(run / "metrics.csv")
     total = planned_steps(ckpt["args"], ckpt.get("world", 1))
     if ckpt["step"] != total or not rows or int(rows[-1]["step"]) != total or not rows[-1]["val_ce"]:
         raise ValueError(f"{run} is not a finished run: its checkpoint is at step {ckpt['step']} of {total}, and "
                          "its metrics.csv must end there with the final validation")
+    if [int(r["step"]) for r in rows] != list(range(1, total + 1)):
+        raise ValueError(f"{run / 'metrics.csv'} does not hold one row for each of steps 1–{total}, in order "
+                         f"({len(rows)} rows from step {rows[0]['step']}): the run's record is incomplete")
     sessions = sorted(ckpt.get("sessions", []), key=lambda s: s["from_step"])
     weights = weights_fingerprint(ckpt["model"])
     out = []

@@ -15,7 +15,7 @@ import torch
 from fractus.checkpoint import CheckpointError, check_finite
 from fractus.cli import device_name, natural, non_negative, number, positive_int
 from fractus.kernels.backend import BACKENDS
-from fractus.model import FractusCTE
+from fractus.model import FractusCTE, load_model
 from fractus.tokenizer import get_tokenizer
 
 # The original's prompts; by default sampling (and the trainer, at the end of a run) takes the
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
                     help="kernels (auto: Triton on CUDA, PyTorch on CPU), whatever the checkpoint was trained with")
     a = ap.parse_args(argv)
     try:
-        model = FractusCTE.load(a.ckpt, backend=a.backend)
+        model = load_model(a.ckpt, backend=a.backend)
         check_finite(model.state_dict(), a.ckpt)
         model.to(a.device)
         for prompt in a.prompt or PROMPTS:

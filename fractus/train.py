@@ -10,7 +10,8 @@ of each training session (rank 0's process) from the step it started at (``sessi
 ``--resume`` continues exactly.
 ``--grow-from CKPT`` starts from a checkpoint grown to the preset (:mod:`fractus.grow`: same
 logits) with a fresh optimizer. SIGINT/SIGTERM save, then exit with code 128 + the signal's number
-(130, 143); ``--stop-after`` saves and exits with 0.
+(130, 143); ``--stop-after`` saves and exits with 0. A run holds a lock on its directory
+(``OUT/.lock``, released by the OS when the process ends): a second run on it is refused.
 Several processes:
 ``torchrun --nproc_per_node=N -m fractus.train …`` (DDP; gloo on CPU, NCCL on CUDA; gradients are
 all-reduced once per optimizer step, on its last micro-step).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import fcntl
 import math
 import os
 import signal
@@ -32,12 +34,14 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fractus.allocator import keep_freed_memory
-from fractus.atomic import atomic_open
-from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
+from fractus.atomic import atomic_open, leftover_temps
+from fractus.checkpoint import (CheckpointError, describe, load_checkpoint, load_model_state, save_checkpoint,
+                                weights_fingerprint)
 from fractus.cli import device_name, natural, non_negative, number, positive_int
 from fractus.data import TokenStreams, load_meta, load_tokens
 from fractus.grow import grow
 from fractus.kernels.backend import BACKENDS, check_available
+from fractus.baseline import GPT, GPTConfig
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.records import provenance
 from fractus.sample import PROMPTS, sample_text
@@ -48,16 +52,24 @@ METRIC_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "t
 # Arguments that must match when resuming: those that shape the run (--tokens may change: it
 # lengthens or shortens the schedule; so may the device, logging, evaluation and checkpoint cadence).
 # The model's config is compared as resolved (--set's overrides on the preset), except the backend.
-RESUME_KEYS = ("preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "lr",
+RESUME_KEYS = ("model", "preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "lr",
                "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "lb_coef", "head_positions",
                "detach_kuramoto", "active_blocks", "bf16")
 DEFAULT_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}
+# The largest --lr and --weight-decay: far above any useful value, and small enough that every
+# factor the optimizers derive from them (lr · weight decay, AdamW's lr / (1 − β1)) fits in float32,
+# which torch converts them to (beyond it: an overflow error inside the optimizer's step).
+MAX_RATE = 1e6
+rate = number(float, lambda x: 0 <= x <= MAX_RATE, f"≥ 0 and ≤ {MAX_RATE:g}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fractus.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
+    a("--model", default="cte", choices=("cte", "gpt"),
+      help="the Fractus CTE, or the softmax-attention transformer it is measured against (fractus.baseline: "
+           "the preset's width, depth and heads, a context of --chunk-len, no carried state)")
     a("--preset", default="palier0", choices=sorted(PRESETS),
       help="the model's dimensions (README's table); its vocabulary is the data's")
     a("--data", required=True, help="directory written by `python -m fractus.data prepare`")
@@ -70,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--head-positions", default="all", choices=("all", "last"))
     a("--detach-kuramoto", action="store_true")
     a("--optimizer", default="adamw", choices=("sgd", "adamw", "rmsprop"))
-    a("--lr", type=non_negative, default=None, help=f"peak learning rate (default: {DEFAULT_LR})")
-    a("--weight-decay", type=non_negative, default=0.01)
+    a("--lr", type=rate, default=None, help=f"peak learning rate (default: {DEFAULT_LR})")
+    a("--weight-decay", type=rate, default=0.01)
     a("--warmup", type=natural, default=50, help="warm-up optimizer steps")
     a("--min-lr-ratio", type=number(float, lambda x: 0 <= x <= 1, "≥ 0 and ≤ 1"), default=0.1,
       help="cosine decay floor, as a fraction of --lr")
@@ -125,8 +137,21 @@ FLAG_FIELDS = {"chunk_len": "--chunk-len", "backend": "--backend", "detach_kuram
                "lb_coef": "--lb-coef"}
 
 
-def make_config(args, vocab_size: int) -> FractusConfig:
+def make_config(args, vocab_size: int) -> FractusConfig | GPTConfig:
+    """The model's config: the preset with ``--set``'s overrides and the data's vocabulary (for
+    ``--model gpt``: the preset's d_model, n_heads and n_layers, a context of ``--chunk-len``)."""
     over = parse_overrides(args.set)
+    if args.model == "gpt":
+        cte_only = [flag for flag, on in (("--detach-kuramoto", args.detach_kuramoto), ("--lb-coef", args.lb_coef),
+                                          ("--active-blocks", args.active_blocks), ("--grow-from", args.grow_from),
+                                          ("--head-positions last", args.head_positions == "last")) if on]
+        if cte_only:
+            raise ValueError(f"--model gpt has no {', '.join(cte_only)}: they are the Fractus CTE's")
+        if "context" in over or "backend" in over:
+            raise ValueError("set the transformer's context with --chunk-len and its backend with --backend, not --set")
+        dims = {k: PRESETS[args.preset][k] for k in ("d_model", "n_heads", "n_layers")}
+        return GPTConfig.from_dict({**dims, "vocab_size": vocab_size, **over, "context": args.chunk_len,
+                                    "backend": args.backend})
     flagged = {k: FLAG_FIELDS[k] for k in over if k in FLAG_FIELDS}
     if flagged:
         raise ValueError("set these with their own flags, not --set: "
@@ -147,6 +172,7 @@ def run_settings(args: dict) -> dict:
     """The arguments that shape a run (RESUME_KEYS), defaults resolved: the data directory as an
     absolute path, the optimizer's default lr, the config's lb coefficient, bf16 on for CUDA."""
     d = {k: args.get(k) for k in RESUME_KEYS}
+    d["model"] = d["model"] or "cte"  # checkpoints of earlier trainers: the CTE
     d["data"] = str(Path(d["data"]).resolve())
     d["lr"] = DEFAULT_LR[d["optimizer"]] if d["lr"] is None else d["lr"]
     d["lb_coef"] = FractusConfig.lb_coef if d["lb_coef"] is None else d["lb_coef"]
@@ -343,11 +369,27 @@ def append_metrics(path: Path, row: dict) -> None:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """metrics.csv's complete rows (a row cut by a kill is dropped)."""
+    """metrics.csv's complete rows (a row cut by a kill is dropped); ValueError naming the file
+    unless it is a CSV with a ``step`` column of integers and no row longer than its header."""
     if not path.exists():
         return []
-    with open(path, newline="") as f:
-        return [r for r in csv.DictReader(f) if None not in r.values()]
+    rows = []
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames is not None and "step" not in reader.fieldnames:
+                raise ValueError("its header has no step column")
+            for r in reader:
+                if None in r:
+                    raise ValueError(f"line {reader.line_num} has more values than the header has columns")
+                if None in r.values():  # cut short
+                    continue
+                if not (r["step"].isascii() and r["step"].isdigit()):
+                    raise ValueError(f"line {reader.line_num}: step {r['step']!r} is not a step number")
+                rows.append(r)
+    except (UnicodeDecodeError, csv.Error, ValueError) as e:
+        raise ValueError(f"{path} is not a metrics file of this trainer: {e}") from None
+    return rows
 
 
 def write_metrics(path: Path, rows: list[dict]) -> None:
@@ -386,6 +428,206 @@ def set_active_blocks(model: FractusCTE, k: int, seed: int, step: int) -> list[i
     return active
 
 
+# -- the run directory: one run at a time, no leftovers, a complete record ----------------------
+class RunInUse(RuntimeError):
+    """The run directory is locked by another process's run."""
+
+
+@contextlib.contextmanager
+def run_lock(out: Path):
+    """Hold an exclusive ``flock`` on ``out/.lock`` (``out`` created if absent) until the block
+    ends: two runs writing one directory would interleave metrics.csv and overwrite each other's
+    checkpoints. The OS drops the lock when its process dies, so a killed run never blocks the
+    ``--resume`` that continues it."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunInUse(f"{out} is in use by another run (the process holding the lock {out / '.lock'}): wait "
+                           "for that run to end, or choose another --out") from None
+        yield
+
+
+def remove_leftover_temps(paths) -> None:
+    """Remove the temporary files a process killed while writing one of ``paths`` left beside it
+    (:func:`fractus.atomic.atomic_open`'s); only safe while holding the run's lock."""
+    temps = [t for p in paths for t in leftover_temps(p)]
+    for t in temps:
+        t.unlink(missing_ok=True)
+    if temps:
+        print(f"removed {len(temps)} temporary file(s) of an interrupted write: {', '.join(t.name for t in temps)}")
+
+
+def check_metrics_record(path: Path, step: int) -> None:
+    """ValueError unless metrics.csv holds a row for each of steps 1 … ``step`` (the checkpoint's),
+    in order: resuming from an incomplete record would leave the run's record silently incomplete."""
+    steps = [int(r["step"]) for r in read_metrics(path) if int(r["step"]) <= step]
+    if steps == list(range(1, step + 1)):
+        return
+    missing = sorted(set(range(1, step + 1)) - set(steps))
+    if not path.exists():
+        what = "does not exist"
+    elif missing:
+        what = f"lacks the rows of {len(missing)} of them (the first: step {missing[0]})"
+    else:
+        what = "holds them out of order or more than once"
+    raise ValueError(f"refusing to resume: the checkpoint is at step {step}, but {path}, the record of steps "
+                     f"1–{step}, {what}; restore it, or train again in another --out")
+
+
+# -- a checkpoint's training state, checked before any of it is used --------------------------
+def _int(v, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _device(v) -> bool:
+    try:
+        return isinstance(v, str) and torch.device(v).type in ("cpu", "cuda")
+    except RuntimeError:
+        return False
+
+
+def _byte_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1
+
+
+# What a checkpoint's training state holds (what :func:`train`'s ``save`` writes): name → (test, what
+# it must be). Optional entries are absent from checkpoints of earlier trainers.
+TRAINING_STATE = {
+    "args": (lambda v: isinstance(v, dict), "a dict of the trainer's arguments"),
+    "optimizer": (lambda v: isinstance(v, dict) and isinstance(v.get("state"), dict)
+                  and isinstance(v.get("param_groups"), list), "an optimizer's state_dict (state, param_groups)"),
+    "scheduler": (lambda v: isinstance(v, dict) and _int(v.get("last_epoch"))
+                  and isinstance(v.get("base_lrs"), list) and all(map(_real, v["base_lrs"]))
+                  and isinstance(v.get("lr_lambdas"), list), "a LambdaLR's state_dict"),
+    "step": (_int, "an integer ≥ 0"),
+    "data_position": (_int, "an integer ≥ 0"),
+    "elapsed_s": (lambda v: _real(v) and v >= 0, "a finite number ≥ 0"),
+    "states": (lambda v: isinstance(v, list), "a list of every process's carried state"),
+    "rng": (lambda v: isinstance(v, dict) and _byte_tensor(v.get("torch"))
+            and v["torch"].shape == torch.get_rng_state().shape
+            and (isinstance(v.get("cuda", []), list) and all(map(_byte_tensor, v.get("cuda", [])))),
+            "RNG states: {'torch': torch.get_rng_state()'s uint8 tensor, 'cuda': a list of uint8 tensors}"),
+    "counters": (lambda v: isinstance(v, dict) and _int(v.get("nan_run")) and _int(v.get("skipped")),
+                 "{'nan_run': an integer ≥ 0, 'skipped': an integer ≥ 0}"),
+    "ancestor": (lambda v: isinstance(v, str), "a weights fingerprint (str)"),
+}
+OPTIONAL_STATE = {
+    "world": (lambda v: _int(v, 1), "an integer ≥ 1"),
+    "sessions": (lambda v: isinstance(v, list) and all(isinstance(s, dict) and _int(s.get("from_step")) for s in v),
+                 "a list of dicts with a from_step ≥ 0"),
+    "meta": (lambda v: isinstance(v, dict) and all(isinstance(x, (str, int, float, type(None))) for x in v.values()),
+             "a dict of plain values"),
+}
+# The trainer's arguments a checkpoint must record (``args``): those resumes compare, and what
+# planned_steps and run_settings read.
+SAVED_ARGS = {
+    **{k: (lambda v: isinstance(v, str), "a str") for k in ("preset", "data", "head_positions")},
+    **{k: (lambda v: _int(v, 1), "an integer ≥ 1") for k in ("tokens", "batch_size", "chunk_len", "accum")},
+    **{k: (_int, "an integer ≥ 0") for k in ("warmup", "active_blocks")},
+    **{k: (_real, "a finite number") for k in ("weight_decay", "min_lr_ratio", "grad_clip")},
+    **{k: (lambda v: v is None or _real(v), "None or a finite number") for k in ("lr", "lb_coef")},
+    "seed": (lambda v: _int(v, -2**63), "an integer"),
+    "optimizer": (lambda v: v in DEFAULT_LR, f"one of {sorted(DEFAULT_LR)}"),
+    "detach_kuramoto": (lambda v: isinstance(v, bool), "True or False"),
+    "bf16": (lambda v: v is None or isinstance(v, bool), "None, True or False"),
+    "device": (_device, "a device's name"),
+}
+
+
+def _shown(v) -> str:
+    """A short description of a value for an error message."""
+    if isinstance(v, torch.Tensor):
+        return f"a {v.dtype} tensor of shape {tuple(v.shape)}"
+    text = repr(v)
+    return text if len(text) <= 80 else f"a {type(v).__name__} ({text[:60]}…)"
+
+
+def check_training_state(ck: dict, path) -> None:
+    """CheckpointError naming the first entry of ``ck``'s training state (:data:`TRAINING_STATE`,
+    :data:`OPTIONAL_STATE`, the arguments of :data:`SAVED_ARGS`) that is missing or not what the
+    trainer writes, and what it must be; a model-only checkpoint is named so."""
+    lacking = [k for k in TRAINING_STATE if k not in ck]
+    if len(lacking) == len(TRAINING_STATE):
+        raise CheckpointError(f"{path} holds a model but no training state (no {', '.join(sorted(lacking))}): "
+                              "start a new run from it with --grow-from")
+    if lacking:
+        raise CheckpointError(f"{path} lacks the training state's {', '.join(map(repr, lacking))}: it was not written "
+                              "by fractus.train, or was edited")
+    checks = [(repr(k), ck[k], *TRAINING_STATE[k]) for k in TRAINING_STATE]
+    checks += [(repr(k), ck[k], *OPTIONAL_STATE[k]) for k in OPTIONAL_STATE if k in ck]
+    checks += [(f"'args' entry {k!r}", ck["args"].get(k), *SAVED_ARGS[k]) for k in SAVED_ARGS
+               if isinstance(ck["args"], dict)]
+    for name, value, test, what in checks:
+        if not test(value):
+            raise CheckpointError(f"{path}: the training state's {name} must be {what}, got {_shown(value)}")
+
+
+def check_against_run(ck: dict, world: int, model, opt: torch.optim.Optimizer, batch_size: int, path) -> None:
+    """CheckpointError unless the training state ``ck`` fits this run (once its settings are known to
+    be the checkpoint's): ``states`` holds the carried state of each of ``world`` processes, None (none
+    yet) or per block the tensors of ``model``'s state for ``batch_size`` streams, so shaped (a
+    model that carries no state: None); the scheduler is at the checkpoint's step with one entry per
+    parameter group of ``opt``."""
+    groups, sched = len(opt.param_groups), ck["scheduler"]
+    if sched["last_epoch"] != ck["step"] or len(sched["base_lrs"]) != groups or len(sched["lr_lambdas"]) != groups:
+        raise CheckpointError(f"{path}: the training state's 'scheduler' must be at step {ck['step']} with "
+                              f"{groups} parameter groups, got {_shown(sched)}")
+    states = ck["states"]
+    if len(states) != world:
+        raise CheckpointError(f"{path}: the training state's 'states' must hold the carried state of each of its "
+                              f"{world} process(es), got {len(states)}")
+    zero = model.init_state(batch_size, "meta")
+    want = None if zero is None else [tuple(tuple(t.shape) for t in block) for block in zero]
+    for rank, st in enumerate(states):
+        ok = st is None or (want is not None and isinstance(st, list) and len(st) == len(want) and all(
+            isinstance(block, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in block)
+            and tuple(tuple(t.shape) for t in block) == shapes for block, shapes in zip(st, want)))
+        if not ok:
+            what = "None (this model carries no state)" if want is None else \
+                f"None or one tuple of tensors per block shaped {want[0]}"
+            raise CheckpointError(f"{path}: the training state's 'states' entry {rank} must be {what}, "
+                                  f"got {_shown(st)}")
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict, path) -> None:
+    """``opt.load_state_dict(saved)``; CheckpointError naming what does not fit ``opt``: its parameter
+    groups, a group's numeric setting (lr, betas …), a parameter's state tensor of another shape."""
+    def numeric(v) -> str | None:
+        """What ``v`` is if it is a finite number or a sequence of them, else None."""
+        if _real(v):
+            return "a finite number"
+        if isinstance(v, (tuple, list)) and v and all(map(_real, v)):
+            return f"{len(v)} finite numbers"
+        return None
+    for key, st in saved["state"].items():  # torch would turn other values into garbage of their type
+        if not isinstance(st, dict) or not all(v is None or _real(v) or torch.is_tensor(v) for v in st.values()):
+            raise CheckpointError(f"{path}: the training state's 'optimizer' state of parameter {key!r} must be a "
+                                  f"dict of tensors and numbers, got {_shown(st)}")
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    try:
+        opt.load_state_dict(saved)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: the training state's 'optimizer' does not fit this run's optimizer "
+                              f"({describe(e)})") from None
+    for i, (old, group) in enumerate(zip(fresh, opt.param_groups)):
+        for k, v in old.items():
+            want = numeric(v)
+            if want and numeric(group.get(k)) != want:
+                raise CheckpointError(f"{path}: the training state's 'optimizer' parameter group {i}: {k} must be "
+                                      f"{want}, got {_shown(group.get(k))}")
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.dim() and v.shape != p.shape:
+                raise CheckpointError(f"{path}: the training state's 'optimizer' holds for a parameter of shape "
+                                      f"{tuple(p.shape)} a {k!r} that is {_shown(v)}")
+
+
 def planned_steps(args: dict, world: int) -> int:
     """Optimizer steps of a run with the flags ``args`` (as ``vars`` of the parsed CLI, which a
     checkpoint records) on ``world`` processes."""
@@ -396,6 +638,12 @@ def train(argv=None) -> dict:
     """Run the CLI; returns the final metrics. Raises :class:`Interrupted` after a SIGINT/SIGTERM stop
     (checkpoint saved; ``main`` exits with 128 + the signal's number)."""
     args = build_parser().parse_args(argv)
+    with contextlib.ExitStack() as held:  # the run directory's lock (rank 0), released however the run ends
+        return run(args, held)
+
+
+def run(args: argparse.Namespace, held: contextlib.ExitStack) -> dict:
+    """:func:`train` with the parsed arguments; rank 0 enters the run directory's lock into ``held``."""
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world, device = setup_distributed(args.device)
@@ -422,33 +670,47 @@ def train(argv=None) -> dict:
         raise ValueError("--active-blocks must be ≤ n_layers, and is single-process only")
 
     torch.manual_seed(args.seed)
-    model = grow(args.grow_from, cfg) if args.grow_from and not args.resume else FractusCTE(cfg)
+    if args.model == "gpt":
+        model = GPT(cfg)
+    else:
+        model = grow(args.grow_from, cfg) if args.grow_from and not args.resume else FractusCTE(cfg)
     ancestor = None if args.resume else weights_fingerprint(model.state_dict())  # what merge checks
     model = model.to(device)
     opt = make_optimizer(model, args.optimizer, lr, args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, total_steps, args.min_lr_ratio))
     step, state, elapsed, nan_run, skipped, sessions = 0, None, 0.0, 0, 0, []
+    if args.resume and not ckpt_path.exists():
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+    if master:  # one run at a time in a directory; then nothing else writes its files
+        held.enter_context(run_lock(out))
+        remove_leftover_temps([ckpt_path, metrics_path])
     if args.resume:
-        if not ckpt_path.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
         ck = load_checkpoint(ckpt_path)  # on the CPU: RNG states must stay there
-        lacking = sorted({"args", "optimizer", "scheduler", "states", "rng", "counters", "ancestor"} - set(ck))
-        if lacking:
-            raise CheckpointError(f"{ckpt_path} holds a model but no training state (no {', '.join(lacking)}): "
-                                  f"start a new run from it with --grow-from")
+        check_training_state(ck, ckpt_path)
         saved, now = run_settings(ck["args"]), settings
+        if not os.path.isabs(ck["args"]["data"]) and ck.get("meta"):
+            # an earlier trainer's path, relative to a working directory it did not record: the
+            # data's identity (compared below) decides
+            saved["data"] = now["data"]
         diff = {k: (saved[k], now[k]) for k in RESUME_KEYS if saved[k] != now[k]}
-        now_cfg = cfg.to_dict()
-        saved_cfg = FractusConfig.from_dict({**ck["config"], "backend": cfg.backend}).to_dict()
-        diff.update({f"config {k}": (v, now_cfg[k]) for k, v in saved_cfg.items() if v != now_cfg[k]})
+        if "model" not in diff:  # the same kind of model: its configs compare
+            now_cfg = cfg.to_dict()
+            try:
+                saved_cfg = type(cfg).from_dict({**ck["config"], "backend": cfg.backend}).to_dict()
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"{ckpt_path}: its config is not a valid one ({e})") from None
+            diff.update({f"config {k}": (v, now_cfg[k]) for k, v in saved_cfg.items() if v != now_cfg[k]})
         if ck.get("world", 1) != world:
             diff["processes"] = (ck.get("world", 1), world)
         now_data = data_identity(meta)  # the same path may hold another corpus since
         diff.update({f"data {k}": (v, now_data[k]) for k, v in ck.get("meta", {}).items() if now_data.get(k, v) != v})
         if diff:
             raise ValueError(f"--resume with different settings than the checkpoint: {diff}")
+        check_against_run(ck, world, model, opt, args.batch_size, ckpt_path)
+        if master:
+            check_metrics_record(metrics_path, ck["step"])
         load_model_state(model, ck["model"], ckpt_path)
-        opt.load_state_dict(ck["optimizer"])
+        load_optimizer_state(opt, ck["optimizer"], ckpt_path)
         sched.load_state_dict(ck["scheduler"])
         step, elapsed, streams.position = ck["step"], ck["elapsed_s"], ck["data_position"]
         state = FractusCTE.detach_state(ck["states"][rank], device)
@@ -484,18 +746,18 @@ def train(argv=None) -> dict:
         states = gather_states(FractusCTE.detach_state(state, "cpu"), rank, world)
         if master:
             save_checkpoint(ckpt_path, {
-                "config": cfg.to_dict(), "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "arch": args.model, "config": cfg.to_dict(), "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict(), "step": step, "data_position": streams.position,
                 "states": states, "rng": rng_state(), "elapsed_s": elapsed,
                 "counters": {"nan_run": nan_run, "skipped": skipped}, "ancestor": ancestor,
-                "args": vars(args), "world": world, "sessions": sessions,
+                "args": {**vars(args), "data": settings["data"]}, "world": world, "sessions": sessions,
                 "meta": data_identity(meta)})
         if world > 1:  # none leaves before the file is written: torchrun stops the rest once one exits non-zero
             dist.barrier()
 
     if master:
-        out.mkdir(parents=True, exist_ok=True)
-        print(f"Fractus CTE {args.preset}: {model.num_params():,} parameters "
+        name = f"Fractus CTE {args.preset}" if args.model == "cte" else f"transformer baseline ({args.preset}'s dims)"
+        print(f"{name}: {model.num_params():,} parameters "
               f"({model.num_params(active=True):,} active per token), vocab {cfg.vocab_size}, "
               f"{device}{' bf16' if bf16 else ''}, {world} process(es)")
         print(f"global batch {world}×{args.batch_size} streams × {args.chunk_len} × accum {args.accum} = "
@@ -588,7 +850,7 @@ def main(argv=None) -> None:
     keep_freed_memory()
     try:
         train(argv)
-    except (ValueError, OSError, NonFiniteLoss, CheckpointError) as e:  # OSError: e.g. a full disk while saving
+    except (ValueError, OSError, NonFiniteLoss, CheckpointError, RunInUse) as e:  # OSError: e.g. a full disk
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Interrupted as e:  # saved; not 0, so that `train && evaluate` does not go on

@@ -8,7 +8,7 @@ import zipfile
 import pytest
 import torch
 
-from fractus.atomic import atomic_open
+from fractus.atomic import atomic_open, leftover_temps
 from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
@@ -111,6 +111,22 @@ def test_an_interrupted_atomic_write_keeps_the_old_file(tmp_path):
         pass
     with pytest.raises(FileNotFoundError, match="no folder"), atomic_open(tmp_path / "none" / "f.csv"):
         pass
+
+
+def test_leftover_temporaries_are_only_atomic_opens_own(tmp_path):
+    """What a run removes at its start: the temporaries atomic_open names for that file, not a
+    user's files that look alike, nor another file's."""
+    path = tmp_path / "ckpt.pt"
+    with atomic_open(path, "wb") as f:
+        (written,) = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        f.write(b"x")
+    assert not written.exists()
+    own = [tmp_path / ".ckpt.pt.0123456789ab.tmp", tmp_path / f".ckpt.pt.{written.name.split('.')[3]}.tmp"]
+    others = [".ckpt.pt.notes.tmp", ".ckpt.pt.0123456789AB.tmp", ".ckpt.pt.0123456789abc.tmp",
+              "ckpt.pt.0123456789ab.tmp", ".metrics.csv.0123456789ab.tmp", ".xckpt.pt.0123456789ab.tmp"]
+    for p in own + [tmp_path / n for n in others]:
+        p.touch()
+    assert leftover_temps(path) == sorted(own)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])

@@ -1,6 +1,7 @@
 """Tokenizer, corpus preparation (prepared data never replaced unasked, damaged data named) and
 the contiguous token streams."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -170,3 +171,42 @@ def test_token_streams_are_contiguous_and_resumable():
         TokenStreams(np.arange(20, dtype=np.uint16), batch_size=4, chunk_len=10)
     with pytest.raises(ValueError, match="batch_size and chunk_len must be ≥ 1, got 0 and 10"):
         TokenStreams(tokens, batch_size=0, chunk_len=10)
+
+
+def test_a_vocab_size_that_is_not_the_datas_is_refused(tmp_path):
+    """meta.json's vocab_size edited (512 → 600): the data was encoded with 512, its end-of-text id is
+    511, and a 600-token model would score it as text. Named by the encoding, or, with the encoding
+    edited too, by the ids."""
+    (tmp_path / "c.txt").write_text("line one\n" * 200)
+    meta = prepare(str(tmp_path / "c.txt"), tmp_path / "out", vocab_size=512)
+    assert meta["encoding"] == "cl100k_512" and load_tokens(tmp_path / "out", "val")[-1] == 511
+    (tmp_path / "out" / "meta.json").write_text(json.dumps({**meta, "vocab_size": 600}))
+    with pytest.raises(ValueError, match=r"meta.json is damaged \(vocab_size 600 is not the vocabulary of its "
+                                         r"encoding 'cl100k_512'\): prepare the data again"):
+        load_meta(tmp_path / "out")
+    (tmp_path / "out" / "meta.json").write_text(json.dumps({**meta, "vocab_size": 600, "encoding": "cl100k_600"}))
+    with pytest.raises(ValueError, match="val.bin ends with token id 511, not the end-of-text id 599 of meta.json's "
+                                         "vocab_size 600: it was encoded with another vocabulary"):
+        load_tokens(tmp_path / "out", "val")
+    (tmp_path / "out" / "meta.json").write_text(json.dumps({**meta, "vocab_size": 100}))
+    with pytest.raises(ValueError, match=r"meta.json is damaged \(vocab_size must be in \[257"):
+        load_meta(tmp_path / "out")
+
+
+def test_a_full_disk_names_the_file_and_its_cause(tmp_path, capsys, monkeypatch):
+    """Every file prepare writes goes to /dev/full (writes fail with ENOSPC): the error names the
+    file and the cause (was numpy's "1080002 requested and 512000 written"), and nothing is left."""
+    import fractus.atomic
+
+    def full_disk(fd, mode, **kwargs):
+        os.close(fd)
+        return open("/dev/full", mode, **kwargs)
+    (tmp_path / "c.txt").write_text("line one\n" * 20000)
+    monkeypatch.setattr(fractus.atomic.os, "fdopen", full_disk)
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--input", str(tmp_path / "c.txt"), "--out", str(tmp_path / "out"), "--vocab", "512"])
+    monkeypatch.undo()
+    assert e.value.code == 2
+    train_bin = tmp_path / "out" / "train.bin"
+    assert capsys.readouterr().err == f"error: [Errno 28] cannot write {train_bin}: No space left on device\n"
+    assert list((tmp_path / "out").iterdir()) == []

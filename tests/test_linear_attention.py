@@ -21,14 +21,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def make(B, T, H, D, decay, state, dtype=torch.float32, levels=2, history=0, v_mean=0.0):
     """Leaf inputs drawn in dtype and held in fp64 (the truth then sees exactly the rounded
-    values the tested path sees): q, k, v, level_weights, decay, state. With ``history``, the
+    values the tested path sees): q, k, v, level_weights, decay ([H]; "level": [Lv, H]), state. With ``history``, the
     state is the one that many earlier tokens leave without decay (fp32 values), v of those and of
     the call drawn around ``v_mean``."""
     def r(x):
         return x.to(dtype).double()
     q, k, v = r(torch.randn(B, T, H, D)), r(torch.randn(B, T, H, D)), r(v_mean + torch.randn(B, T, H, D))
     w = r(torch.softmax(torch.randn(levels), 0))
-    g = r(torch.rand(H) * 0.3 + 0.65) if decay else None
+    g = r(torch.rand(levels, H) * 0.3 + 0.65) if decay == "level" else r(torch.rand(H) * 0.3 + 0.65) if decay else None
     st = None
     if history:
         kh, vh = r(torch.randn(B, history, H, D)), r(v_mean + torch.randn(B, history, H, D))
@@ -121,6 +121,34 @@ def test_eps_zero(path):
     compare(got, truth, FP32_TOL, 20, True)
 
 
+# without the denominator (normalize=False): every path, one decay per (level, head) or per head
+UNNORMALIZED = [(1, 48, "level", True), (17, 32, "level", False), (64, 64, True, True), (100, 48, "level", True),
+                (257, 32, False, False), (257, 64, "level", True)]
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("T,D,decay,state", UNNORMALIZED)
+def test_unnormalized_vs_reference(path, T, D, decay, state):
+    inputs = make(2, T, 2, D, decay, state)
+    truth = run(inputs, torch.float64, backend="reference", normalize=False)
+    got = run(inputs, torch.float32, backend=path, normalize=False)
+    compare(got, truth, FP32_TOL, T, True)  # dq is not of order eps without the denominator
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_level_decays_are_per_level(normalize):
+    """An [Lv, H] decay with equal rows equals the [H] decay; with distinct rows each level
+    follows its own (the reference computes level by level)."""
+    q, k, v, w, g, st = make(2, 30, 2, 32, "level", True)
+    kw = dict(state=st, normalize=normalize, backend="reference")
+    same = linear_attention(q, k, v, w, OMEGAS, g[:1].expand(2, 2), **kw)
+    head = linear_attention(q, k, v, w, OMEGAS, g[0], **kw)
+    assert_rel(same[0], head[0], 1e-12, "o")
+    one_level = [linear_attention(q, k, v, torch.eye(2, dtype=q.dtype)[l], OMEGAS, g[l], **kw)[0] for l in (0, 1)]
+    assert_rel(linear_attention(q, k, v, w, OMEGAS, g, **kw)[0], w[0] * one_level[0] + w[1] * one_level[1],
+               1e-12, "o as the levels' own")
+
+
 @pytest.fixture
 def decode_launches(monkeypatch):
     """Counts the decode kernel's launches."""
@@ -137,6 +165,17 @@ def test_triton_decode_kernel(decode_launches, T, D, decay, state):
     truth = run(inputs, torch.float64, grad=False, backend="reference")
     with torch.no_grad():
         got = run(inputs, torch.float32, grad=False, backend="triton")
+    assert decode_launches.count == 1
+    for name, x, ref in zip(NAMES, got, truth):
+        assert_rel(x.double(), ref, 1e-5, name)
+
+
+@pytest.mark.parametrize("T,D,state", [(1, 48, True), (16, 32, False)])
+def test_triton_decode_kernel_unnormalized(decode_launches, T, D, state):
+    inputs = make(2, T, 3, D, "level", state)
+    truth = run(inputs, torch.float64, grad=False, backend="reference", normalize=False)
+    with torch.no_grad():
+        got = run(inputs, torch.float32, grad=False, backend="triton", normalize=False)
     assert decode_launches.count == 1
     for name, x, ref in zip(NAMES, got, truth):
         assert_rel(x.double(), ref, 1e-5, name)
@@ -228,13 +267,13 @@ def test_split_and_resume(path):
     assert_rel(state[1], z6, 1e-5, "decode z")
 
 
-def _assert_lowp(inputs, grad, path, dtype=torch.float16, state_loss=True, loss_mean=0.0, tol=5e-4):
+def _assert_lowp(inputs, grad, path, dtype=torch.float16, state_loss=True, loss_mean=0.0, tol=5e-4, **kw):
     """A run of path in dtype vs the fp64 truth, by the low-precision rule against the same-dtype
-    reference (which computes in fp32); tol is fp16's (:func:`lowp_tol`)."""
-    truth = run(inputs, torch.float64, grad, state_loss, loss_mean=loss_mean, backend="reference")
-    ref = run(inputs, dtype, grad, state_loss, loss_mean=loss_mean, backend="reference")
+    reference (which computes in fp32); tol is fp16's (:func:`lowp_tol`); ``kw`` to every call."""
+    truth = run(inputs, torch.float64, grad, state_loss, loss_mean=loss_mean, backend="reference", **kw)
+    ref = run(inputs, dtype, grad, state_loss, loss_mean=loss_mean, backend="reference", **kw)
     with torch.set_grad_enabled(grad):
-        got = run(inputs, dtype, grad, state_loss, loss_mean=loss_mean, backend=path)
+        got = run(inputs, dtype, grad, state_loss, loss_mean=loss_mean, backend=path, **kw)
     assert got[0].dtype == dtype and got[1].dtype == torch.float32
     for name, x, r, t in zip(NAMES, got, ref, truth):
         # dw = Σ dO·y_l over B·T·H·D terms that largely cancel: the rounding of the dot operands
@@ -246,6 +285,12 @@ def _assert_lowp(inputs, grad, path, dtype=torch.float16, state_loss=True, loss_
 @pytest.mark.parametrize("path,T,grad", [("torch", 40, True), ("triton", 100, True), ("triton", 5, False)])
 def test_low_precision(path, T, grad, dtype):
     _assert_lowp(make(2, T, 2, 48, True, True, dtype=dtype), grad, path, dtype)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("path,T,grad", [("torch", 40, True), ("triton", 100, True), ("triton", 5, False)])
+def test_low_precision_unnormalized(path, T, grad, dtype):
+    _assert_lowp(make(2, T, 2, 48, "level", True, dtype=dtype), grad, path, dtype, normalize=False)
 
 
 def large_state(inputs, scale=1e5):
@@ -362,7 +407,7 @@ def test_bad_inputs(path):
     w = torch.ones(2) / 2
     cases = [({"decay": torch.tensor([0.9, 0.0])}, ValueError, r"decay must lie in \(0, 1\]"),
              ({"decay": torch.tensor([0.9, 1.5])}, ValueError, r"decay must lie in \(0, 1\]"),
-             ({"decay": [0.9, 0.9]}, ValueError, r"decay must be None or an \[H\]=2 tensor"),
+             ({"decay": [0.9, 0.9]}, ValueError, r"decay must be None or an \[H\]=2 or \[Lv, H\]=\(2, 2\) tensor"),
              ({"q": q.long()}, TypeError, "q, k, v must be floating"),
              ({"q": q[:, :2]}, ValueError, r"q, k, v must all be \[B, T, H, D\]; got \(1, 2, 2, 16\)"),
              ({"q": q[0]}, ValueError, r"q, k, v must all be \[B, T, H, D\]"),

@@ -15,23 +15,34 @@ from fractus.model import _FIELD_CHECKS, FractusConfig, FractusCTE, farey_phases
 from util import assert_rel
 
 
-def random_configs(n=6):
+def random_configs(n=8):
+    """Random small configs over every switch of the architecture (the original's and the levers)."""
     rng = random.Random(1)
     for _ in range(n):
-        heads = rng.choice([1, 2, 4])
+        heads, levels = rng.choice([1, 2, 4]), rng.choice([1, 2, 3])
         yield FractusConfig(
-            vocab_size=97, d_model=16 * heads, n_heads=heads, n_layers=rng.choice([1, 2]),
-            n_levels=rng.choice([1, 2, 3]),
-            attn_decay=rng.choice([1.0, tuple(rng.uniform(0.8, 1.0) for _ in range(heads))]),
-            n_experts=rng.choice([3, 4, 6]), top_k=rng.choice([1, 2]), expert_d_ff=24,
-            expert_rank=rng.choice([0, 4]), n_oscillators=rng.choice([4, 8]), coupling_rank=2,
+            vocab_size=97, d_model=16 * heads, n_heads=heads, n_layers=rng.choice([1, 2]), n_levels=levels,
+            attn_decay=rng.choice([1.0, "multiscale", tuple(rng.uniform(0.8, 1.0) for _ in range(heads)),
+                                   tuple(rng.uniform(0.8, 1.0) for _ in range(heads * levels))]),
+            attn_norm=rng.choice(["denominator", "rms"]), attn_gate=rng.choice([True, False]),
+            short_conv=rng.choice([0, 2, 4]), qk_norm=rng.choice([True, False]), eot_reset=rng.choice([True, False]),
+            shared_expert=rng.choice([0, 20]), n_experts=rng.choice([3, 4, 6]), top_k=rng.choice([1, 2]),
+            expert_d_ff=24, expert_rank=rng.choice([0, 4]), n_oscillators=rng.choice([4, 8]), coupling_rank=2,
             router=rng.choice(["phase", "linear"]), detach_kuramoto=rng.choice([True, False]))
 
 
-@pytest.mark.parametrize("cfg", list(random_configs()), ids=lambda c: f"L{c.n_levels}H{c.n_heads}r{c.expert_rank}{c.router}")
+def config_id(c: FractusConfig) -> str:
+    return (f"L{c.n_levels}H{c.n_heads}r{c.expert_rank}{c.router}-{c.attn_norm}-conv{c.short_conv}"
+            f"{'-gate' if c.attn_gate else ''}{'-qkn' if c.qk_norm else ''}{'-eot' if c.eot_reset else ''}")
+
+
+@pytest.mark.parametrize("cfg", list(random_configs()), ids=config_id)
 def test_decode_equals_chunked_forward(cfg):
+    """T steps == two chunks with the carried state == one chunk (fp32, 1e-5), end-of-text tokens
+    included (with eot_reset they start the state afresh, the convolution's buffer too)."""
     model = FractusCTE(cfg).eval()
     x = torch.randint(0, cfg.vocab_size, (2, 37))
+    x[0, [3, 19, 20]] = x[1, 30] = cfg.vocab_size - 1
     with torch.no_grad():
         full, _, _ = model(x)
         a, _, st = model(x[:, :20])
@@ -44,8 +55,28 @@ def test_decode_equals_chunked_forward(cfg):
     assert_rel(torch.stack(ticks, 1), full, 1e-5, "step-by-step vs chunked forward")
 
 
-def test_causality():
-    cfg = FractusConfig.preset("tiny", vocab_size=101)
+@pytest.mark.parametrize("conv", [0, 4])
+def test_eot_reset_starts_afresh(conv):
+    """With eot_reset, the logits from an end-of-text token on are those of a fresh model state
+    started at it, whatever came before; without it they depend on the past."""
+    torch.manual_seed(0)
+    for reset in (True, False):
+        cfg = FractusConfig.preset("tiny", vocab_size=61, attn_decay="multiscale", short_conv=conv, eot_reset=reset)
+        model = FractusCTE(cfg).eval()
+        x = torch.randint(0, 60, (2, 40))
+        x[:, 25] = 60
+        with torch.no_grad():
+            full, _, _ = model(x, model(torch.randint(0, 60, (2, 9)))[2])
+            fresh, _, _ = model(x[:, 25:])
+        if reset:
+            assert_rel(full[:, 25:], fresh, 1e-5, "after the reset")
+        else:
+            assert not torch.allclose(full[:, 25:], fresh, atol=1e-4)
+
+
+@pytest.mark.parametrize("conv", [0, 4])
+def test_causality(conv):
+    cfg = FractusConfig.preset("tiny", vocab_size=101, short_conv=conv)
     model = FractusCTE(cfg).eval()
     x = torch.randint(0, 101, (2, 30))
     t = 17
@@ -154,7 +185,7 @@ def test_config_validation():
         FractusConfig(d_model=30, n_heads=4)
     with pytest.raises(ValueError):
         FractusConfig(attn_decay=1.5)
-    with pytest.raises(ValueError, match="attn_decay has 3 values for 4 heads"):
+    with pytest.raises(ValueError, match=r"attn_decay has 3 values: give one per head \(4\) or one per \(level, head\) \(8"):
         FractusConfig(n_heads=4, attn_decay=(0.9, 0.9, 0.9))
     with pytest.raises(ValueError):
         FractusConfig(top_k=5, n_experts=4)
@@ -205,7 +236,7 @@ def test_forward_and_generate_refuse_bad_shapes():
     for prompt in (torch.tensor([[1, 2, 3]]), torch.tensor([1.0, 2.5]), [1.5, 2.0]):
         with pytest.raises(ValueError, match="one sequence of integer token ids"):
             model.generate(prompt, 2)
-    with pytest.raises(ValueError, match="max_new_tokens must be ≥ 0"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer ≥ 0"):
         model.generate([1, 2, 3], -1)
     for t in (-1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="temperature must be finite and ≥ 0"):

@@ -1,6 +1,8 @@
-"""The trainer under faults: kill -9 and resume, a kill inside a save, malicious checkpoints,
-non-finite losses, bad input, mismatched resumes; PGSU and growth through the CLI."""
+"""The trainer under faults: kill -9 and resume, a kill inside a save, malicious and mangled
+checkpoints, non-finite losses, bad input, mismatched resumes, a run directory in use, a lost or
+damaged metrics record; PGSU and growth through the CLI."""
 import csv
+import json
 import math
 import os
 import shutil
@@ -195,15 +197,53 @@ main(sys.argv[1:])
 """
 
 
-def test_kill_inside_a_save_keeps_the_previous_checkpoint(data, reference, tmp_path):
+def test_kill_inside_a_save_keeps_the_previous_checkpoint(data, reference, tmp_path, capsys):
+    """The half-written temporary stays until the run resumes (under the run's lock: no other
+    writer), which removes it and says so."""
     out = tmp_path / "run"
     proc = popen(cli(data, out), script=KILLED_IN_SAVE)
     proc.wait(timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
     assert load_checkpoint(out / "ckpt.pt")["step"] == 10, "the previous checkpoint is intact"
-    assert list(out.glob(".ckpt.pt.*.tmp")), "the half-written file was a temporary"
+    temps = list(out.glob(".ckpt.pt.*.tmp"))
+    assert temps, "the half-written file was a temporary"
+    (out / ".metrics.csv.0123456789ab.tmp").touch()  # a kill at a rewrite's start: an empty one
     train(cli(data, out, "--resume"))
     assert metrics(out) == reference
+    assert f"removed 2 temporary file(s) of an interrupted write: {temps[0].name}" in capsys.readouterr().out
+    assert not list(out.glob(".*.tmp"))
+
+
+HOLDS_THE_LOCK = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_directory_in_use_by_another_run_is_refused(data, tmp_path, capsys):
+    """Another process holds the run directory's lock: a fresh run and a resume on it are refused
+    and change nothing; once that process is killed (-9), its lock is gone with it."""
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", "--stop-after", "1", tokens=3 * 32))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDS_THE_LOCK, str(out / ".lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        for extra in (["--resume"], []):
+            with pytest.raises(SystemExit) as e:
+                main(cli(data, out, "--eval-every", "0", *extra, tokens=3 * 32))
+            assert e.value.code == 2
+            assert f"error: {out} is in use by another run" in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    finally:
+        holder.kill()
+        holder.wait()
+    train(cli(data, out, "--eval-every", "0", "--resume", tokens=3 * 32))
+    assert [r["step"] for r in metrics(out)] == ["1", "2", "3"]
 
 
 class RunsCode:
@@ -230,6 +270,91 @@ def test_resume_refuses_malicious_truncated_and_model_only_checkpoints(data, tmp
             main(cli(data, out, "--resume"))
         assert e.value.code == 2 and msg in capsys.readouterr().err
     assert not marker.exists()
+
+
+def mangled(ck: dict, field: str, value=None, delete: bool = False) -> dict:
+    """``ck`` with ``field`` (``a/b/c``: nested; ``*``: every entry) set to ``value``, or deleted; the
+    containers on the way are copied, the rest is shared."""
+    def edit(node, keys):
+        node = dict(node) if isinstance(node, dict) else list(node)
+        key, *rest = keys
+        for k in (list(node) if isinstance(node, dict) else range(len(node))) if key == "*" else \
+                [key if isinstance(node, dict) else int(key)]:
+            if rest:
+                node[k] = edit(node[k], rest)
+            elif delete:
+                del node[k]
+            else:
+                node[k] = value
+        return node
+    return edit(ck, field.split("/"))
+
+
+MANGLED = [  # (field, value or "delete", what the error says)
+    ("step", "delete", "lacks the training state's 'step'"),
+    ("step", "3", "'step' must be an integer ≥ 0, got '3'"),
+    ("data_position", -1, "'data_position' must be an integer ≥ 0, got -1"),
+    ("elapsed_s", float("nan"), "'elapsed_s' must be a finite number ≥ 0, got nan"),
+    ("args", "delete", "lacks the training state's 'args'"),
+    ("args", [1], "'args' must be a dict of the trainer's arguments, got [1]"),
+    ("args/optimizer", "adam", "'args' entry 'optimizer' must be one of ['adamw', 'rmsprop', 'sgd'], got 'adam'"),
+    ("args/data", "delete", "'args' entry 'data' must be a str, got None"),
+    ("args/device", "gpu0", "'args' entry 'device' must be a device's name, got 'gpu0'"),
+    ("args/tokens", torch.ones(2), "'args' entry 'tokens' must be an integer ≥ 1, got a torch.float32 tensor"),
+    ("states", "delete", "lacks the training state's 'states'"),
+    ("states", [], "'states' must hold the carried state of each of its 1 process(es), got 0"),
+    ("states", {0: None}, "'states' must be a list of every process's carried state"),
+    ("states/0", [(torch.zeros(2), torch.zeros(2))], "'states' entry 0 must be None or one tuple of tensors per block shaped"),
+    ("states/0/0", "S", "'states' entry 0 must be None or one tuple of tensors per block shaped"),
+    ("counters", {}, "'counters' must be {'nan_run': an integer ≥ 0, 'skipped': an integer ≥ 0}, got {}"),
+    ("counters/skipped", 1.5, "'counters' must be {'nan_run'"),
+    ("optimizer", "delete", "lacks the training state's 'optimizer'"),
+    ("optimizer", {}, "'optimizer' must be an optimizer's state_dict (state, param_groups), got {}"),
+    ("optimizer/param_groups", [], "'optimizer' does not fit this run's optimizer (ValueError: loaded state dict "
+                                   "has a different number of parameter groups"),
+    ("optimizer/param_groups/0/lr", "fast", "'optimizer' parameter group 0: lr must be a finite number, got 'fast'"),
+    ("optimizer/param_groups/1/betas", (0.9,), "parameter group 1: betas must be 2 finite numbers, got (0.9,)"),
+    ("optimizer/state/*/exp_avg", torch.zeros(3), "'optimizer' holds for a parameter of shape (512, 32) a "
+                                                  "'exp_avg' that is a torch.float32 tensor of shape (3,)"),
+    ("optimizer/state/*/exp_avg_sq", "x", "'optimizer' state of parameter 0 must be a dict of tensors and numbers"),
+    ("scheduler", "delete", "lacks the training state's 'scheduler'"),
+    ("scheduler/last_epoch", 1, "'scheduler' must be at step 2 with 2 parameter groups"),
+    ("scheduler/base_lrs", [0.002], "'scheduler' must be at step 2 with 2 parameter groups"),
+    ("rng", "delete", "lacks the training state's 'rng'"),
+    ("rng/torch", torch.zeros(3, dtype=torch.uint8), "'rng' must be RNG states"),
+    ("rng/cuda", "x", "'rng' must be RNG states"),
+    ("ancestor", None, "'ancestor' must be a weights fingerprint (str), got None"),
+    ("world", 0, "'world' must be an integer ≥ 1, got 0"),
+    ("sessions", [{"date": "x"}], "'sessions' must be a list of dicts with a from_step ≥ 0"),
+    ("meta", {"vocab_size": torch.ones(3)}, "'meta' must be a dict of plain values"),
+    ("config/n_layers", 0, ": its config is not a valid one (bad config: n_layers must be"),
+]
+
+
+def test_resume_names_a_missing_or_mangled_training_state_field(data, tmp_path, capsys, monkeypatch):
+    """Each field of the training state that is missing or not what the trainer writes: exit code 2
+    and an error naming the field and what it must be (was a KeyError, TypeError or IndexError, or a
+    failure in the optimizer's step); nothing is written. `records` refuses such a checkpoint too."""
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", "--stop-after", "2", tokens=3 * 32))
+    ck = load_checkpoint(out / "ckpt.pt")
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    for field, value, msg in MANGLED:  # as read from the file (the file's own checks are test_checkpoint's)
+        bad = mangled(ck, field, value, delete=value == "delete")
+        monkeypatch.setattr(train_mod, "load_checkpoint", lambda path: bad)
+        with pytest.raises(SystemExit) as e:
+            main(cli(data, out, "--eval-every", "0", "--resume", tokens=3 * 32))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"error: {out / 'ckpt.pt'}" in err and msg in err, (field, err)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+    save_checkpoint(out / "ckpt.pt", mangled(ck, "args/tokens", "many"))
+    with pytest.raises(SystemExit) as e:  # was a TypeError
+        records.main([str(out), "--out", str(tmp_path / "t.csv")])
+    assert e.value.code == 2 and "'args' entry 'tokens' must be an integer ≥ 1" in capsys.readouterr().err
+    FractusCTE(FractusConfig.preset("tiny")).save(out / "ckpt.pt")
+    with pytest.raises(SystemExit) as e:  # was a KeyError
+        records.main([str(out), "--out", str(tmp_path / "t.csv")])
+    assert e.value.code == 2 and "holds a model but no training state" in capsys.readouterr().err
 
 
 def inject_nan(monkeypatch, bad):
@@ -339,6 +464,9 @@ def test_bad_corpora(tmp_path, data, capsys):
         assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
+RATE = "must be finite and ≥ 0 and ≤ 1e+06"
+
+
 def test_bad_arguments(data, tmp_path, capsys):
     cases = [(["--set", "n_layer=4"], "unknown config keys ['n_layer']"),
              (["--batch-size", "0"], "argument --batch-size: must be ≥ 1, got 0"),
@@ -349,7 +477,10 @@ def test_bad_arguments(data, tmp_path, capsys):
              (["--set", "n_layers=3", "--set", "n_layers=4"], "--set n_layers given twice"),
              (["--set", "n_layers"], "--set expects KEY=VALUE, got 'n_layers'"),
              (["--active-blocks", "3"], "--active-blocks must be ≤ n_layers"),
-             (["--lr", "inf"], "argument --lr: must be finite and ≥ 0, got inf"),
+             (["--lr", "inf"], f"argument --lr: {RATE}, got inf"),
+             (["--optimizer", "sgd", "--lr", "1e39"], f"argument --lr: {RATE}, got 1e39"),  # was torch's overflow
+             (["--optimizer", "rmsprop", "--lr", "1e300"], f"argument --lr: {RATE}, got 1e300"),
+             (["--weight-decay", "1e39"], f"argument --weight-decay: {RATE}, got 1e39"),
              (["--min-lr-ratio", "5"], "argument --min-lr-ratio: must be finite and ≥ 0 and ≤ 1, got 5"),
              (["--ckpt-every", "-1"], "argument --ckpt-every: must be ≥ 0, got -1"),
              (["--threads", "-1"], "argument --threads: must be ≥ 0, got -1"),
@@ -364,6 +495,17 @@ def test_bad_arguments(data, tmp_path, capsys):
         main(cli(data, tmp_path / "file"))
     assert e.value.code == 2 and "file is a file: give a run directory" in capsys.readouterr().err
     assert (tmp_path / "file").read_text() == "keep"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "rmsprop"])
+def test_the_largest_rates_overflow_no_optimizer(data, tmp_path, capsys, optimizer):
+    """--lr and --weight-decay at their bound: the weights or the loss may overflow (a clear error),
+    but no factor the optimizer derives from them does (was torch's "cannot be converted to type float")."""
+    try:
+        main(cli(data, tmp_path / "run", "--optimizer", optimizer, "--lr", "1e6", "--weight-decay", "1e6",
+                 "--warmup", "0", "--eval-every", "0", "--max-nan", "1", tokens=2 * 32))
+    except SystemExit as e:
+        assert e.code == 2 and "non-finite" in capsys.readouterr().err
 
 
 def test_repeated_set_flags_add_up():
@@ -414,6 +556,59 @@ def test_resume_refuses_another_corpus_in_the_same_directory(data, tmp_path, cap
     assert e.value.code == 2 and "'data train_tokens'" in capsys.readouterr().err
 
 
+def test_resume_refuses_a_lost_or_damaged_metrics_record(data, tmp_path, capsys):
+    """metrics.csv is the run's record of every step: a resume without all of it (deleted, rows
+    lost) is refused rather than leaving a record that starts at the resume step, and a file that
+    is not one is named."""
+    out = tmp_path / "run"
+    train(cli(data, out, "--eval-every", "0", "--stop-after", "3", tokens=4 * 32))
+    record = (out / "metrics.csv").read_text()
+    lines = record.splitlines(keepends=True)
+    cases = [(None, f"but {out / 'metrics.csv'}, the record of steps 1–3, does not exist"),
+             ("".join(lines[:2] + lines[3:]), "lacks the rows of 1 of them (the first: step 2)"),
+             ("".join(lines + lines[1:]), "holds them out of order or more than once"),
+             (record.replace("\n2,", "\nx,", 1), f"{out / 'metrics.csv'} is not a metrics file of this trainer: "
+                                                 "line 3: step 'x' is not a step number"),
+             (lines[0].replace("step", "stop") + "".join(lines[1:]), "is not a metrics file of this trainer: its "
+                                                                     "header has no step column"),
+             (lines[0] + lines[1].replace("\n", ",1\n") + "".join(lines[2:]),
+              "line 2 has more values than the header has columns"),
+             (b"\xff\xfe" * 9, "is not a metrics file of this trainer: 'utf-8' codec can't decode")]
+    for content, msg in cases:
+        (out / "metrics.csv").unlink(missing_ok=True)
+        if isinstance(content, bytes):
+            (out / "metrics.csv").write_bytes(content)
+        elif content is not None:
+            (out / "metrics.csv").write_text(content)
+        with pytest.raises(SystemExit) as e:
+            main(cli(data, out, "--eval-every", "0", "--resume", tokens=4 * 32))
+        assert e.value.code == 2 and msg in capsys.readouterr().err, msg
+        assert load_checkpoint(out / "ckpt.pt")["step"] == 3
+    (out / "metrics.csv").write_text(record + "4,")  # a row cut by a kill is no damage
+    train(cli(data, out, "--eval-every", "0", "--resume", tokens=4 * 32))
+    assert [r["step"] for r in metrics(out)] == ["1", "2", "3", "4"]
+
+
+def test_resume_from_another_working_directory(data, tmp_path, monkeypatch):
+    """The checkpoint records the data directory as an absolute path: a resume from elsewhere,
+    naming it otherwise, continues; an earlier trainer's relative path is matched on the data's
+    identity."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    relative = os.path.relpath(data)
+    train(cli(relative, "run", "--eval-every", "0", "--stop-after", "1", tokens=3 * 32))
+    ck = load_checkpoint("run/ckpt.pt")
+    assert ck["args"]["data"] == str(data.resolve())
+    monkeypatch.chdir(tmp_path / "b")
+    out = tmp_path / "a" / "run"
+    train(cli(data, out, "--eval-every", "0", "--resume", "--stop-after", "1", tokens=3 * 32))
+    ck = load_checkpoint(out / "ckpt.pt")
+    save_checkpoint(out / "ckpt.pt", {**ck, "args": {**ck["args"], "data": relative}})  # as earlier trainers wrote it
+    train(cli(data, out, "--eval-every", "0", "--resume", tokens=3 * 32))
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 3
+
+
 def test_bad_token_ids_and_vocab(tmp_path, data, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -423,8 +618,16 @@ def test_bad_token_ids_and_vocab(tmp_path, data, capsys):
     ids[len(ids) - 9] = 600  # near the end: found before training, not when a batch reaches it
     ids.flush()
     del ids
+    meta = json.loads((data / "meta.json").read_text())
+    edited, renamed = tmp_path / "edited", tmp_path / "renamed"  # vocab_size 512 → 600 in meta.json
+    for d, m in ((edited, {**meta, "vocab_size": 600}),
+                 (renamed, {**meta, "vocab_size": 600, "encoding": "cl100k_600"})):
+        shutil.copytree(data, d)
+        (d / "meta.json").write_text(json.dumps(m))
     cases = [(bad, [], "train.bin holds token ids ≥ vocab_size 512 (1 of them, the first 600 at position"),
-             (data, ["--set", "vocab_size=256"], "differs from the data's 512")]
+             (data, ["--set", "vocab_size=256"], "differs from the data's 512"),
+             (edited, [], "meta.json is damaged (vocab_size 600 is not the vocabulary of its encoding 'cl100k_512')"),
+             (renamed, [], "train.bin ends with token id 511, not the end-of-text id 599 of meta.json's vocab_size")]
     for d, extra, msg in cases:
         with pytest.raises(SystemExit) as e:
             main(cli(d, tmp_path / "run", *extra, tokens=64))
@@ -473,7 +676,7 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     assert load_checkpoint(out / "ckpt.pt")["step"] == 7
 
 
-CHANGED = {"preset": ["--preset", "palier0"], "data": None, "batch_size": ["--batch-size", "3"],
+CHANGED = {"model": ["--model", "gpt"], "preset": ["--preset", "palier0"], "data": None, "batch_size": ["--batch-size", "3"],
            "chunk_len": ["--chunk-len", "8"], "accum": ["--accum", "2"], "optimizer": ["--optimizer", "sgd"],
            "seed": ["--seed", "3"], "lr": ["--lr", "1e-4"],
            "weight_decay": ["--weight-decay", "0.5"], "warmup": ["--warmup", "7"],
@@ -681,6 +884,12 @@ def test_records_cli(data, tmp_path, capsys):
     records.main([str(out), "--out", str(table), "--label", "again", "--force"])
     with open(table, newline="") as f:
         assert {r["run"] for r in csv.DictReader(f)} == {"again"}
+    lines = (out / "metrics.csv").read_text().splitlines(keepends=True)
+    (out / "metrics.csv").write_text(lines[0] + "".join(lines[3:]))  # steps 3 and 4: a resume's after a loss
+    with pytest.raises(SystemExit) as e:
+        records.main([str(out), "--out", str(table), "--force"])
+    assert e.value.code == 2 and "does not hold one row for each of steps 1–4, in order (2 rows from step 3)" \
+        in capsys.readouterr().err
 
 
 def test_sample_cli(data, tmp_path, capsys):
@@ -711,5 +920,5 @@ def test_sample_cli(data, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             sample_main(bad)
         assert e.value.code == 2 and msg in capsys.readouterr().err
-    with pytest.raises(ValueError, match="top_k ≥ 1"):
+    with pytest.raises(ValueError, match="top_k must be an integer ≥ 1"):
         model.generate([1, 2], 3, top_k=0)

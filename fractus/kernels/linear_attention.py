@@ -29,7 +29,7 @@ from fractus.kernels import backend as _backend
 __all__ = ["linear_attention", "linear_attention_reference"]
 
 
-def _check(q, k, v, level_weights, omegas, decay, state):
+def _check(q, k, v, level_weights, omegas, decay, state, resets=None):
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must all be [B, T, H, D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -41,10 +41,13 @@ def _check(q, k, v, level_weights, omegas, decay, state):
         raise ValueError(f"level_weights must be [Lv]={Lv}, got {tuple(level_weights.shape)}")
     if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
         raise TypeError(f"q, k, v must be floating, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if decay is not None and (not torch.is_tensor(decay) or decay.shape != (H,)):
-        raise ValueError(f"decay must be None or an [H]={H} tensor, got {getattr(decay, 'shape', decay)}")
+    if decay is not None and (not torch.is_tensor(decay) or decay.shape not in ((H,), (Lv, H))):
+        raise ValueError(f"decay must be None or an [H]={H} or [Lv, H]={(Lv, H)} tensor, "
+                         f"got {getattr(decay, 'shape', decay)}")
     if decay is not None and not decay.is_cuda and not bool(((decay > 0) & (decay <= 1)).all()):
         raise ValueError(f"decay must lie in (0, 1], got {decay.tolist()}")  # checked where it costs no device sync
+    if resets is not None and (not torch.is_tensor(resets) or resets.dtype != torch.bool or resets.shape != (B, T)):
+        raise ValueError(f"resets must be None or a [B, T]={(B, T)} bool tensor, got {getattr(resets, 'shape', resets)}")
     if state is not None:
         S, z = state
         if S.shape != (B, Lv, H, D, D) or z.shape != (B, Lv, H, D):
@@ -57,16 +60,24 @@ def _check(q, k, v, level_weights, omegas, decay, state):
 # Reference (fp32, token by token)
 # ----------------------------------------------------------------------------------------------
 
-def linear_attention_reference(q, k, v, level_weights, omegas, decay=None, state=None, eps=1e-6):
+def _level_decays(decay, Lv: int, H: int, dtype, device) -> torch.Tensor:
+    """γ as [Lv, H]: ones for None, an [H] decay repeated for every level."""
+    if decay is None:
+        return torch.ones(Lv, H, dtype=dtype, device=device)
+    return decay.to(dtype).expand(Lv, H)
+
+
+def linear_attention_reference(q, k, v, level_weights, omegas, decay=None, state=None, eps=1e-6,
+                               normalize=True, resets=None):
     """The recurrence above, one position at a time in fp32 (fp64 for fp64 inputs, which tests
     use as the truth). Returns (o, (S, z))."""
-    _check(q, k, v, level_weights, omegas, decay, state)
+    _check(q, k, v, level_weights, omegas, decay, state, resets)
     B, T, H, D = q.shape
     Lv = len(omegas)
     dt = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
     w = level_weights.to(dt)
-    g = torch.ones(H, dtype=dt, device=q.device) if decay is None else decay.to(dt)
+    g = _level_decays(decay, Lv, H, dt, q.device)
     if state is None:
         S = torch.zeros(B, Lv, H, D, D, dtype=dt, device=q.device)
         z = torch.zeros(B, Lv, H, D, dtype=dt, device=q.device)
@@ -76,11 +87,14 @@ def linear_attention_reference(q, k, v, level_weights, omegas, decay=None, state
     for t in range(T):
         fq = torch.stack([F.elu(qf[:, t] + om) + 1 for om in omegas], 1)  # [B, Lv, H, D]
         fk = torch.stack([F.elu(kf[:, t] + om) + 1 for om in omegas], 1)
-        S = g.view(1, 1, H, 1, 1) * S + fk[..., :, None] * vf[:, t, None, :, None, :]
-        z = g.view(1, 1, H, 1) * z + fk
+        if resets is not None:
+            keep = (~resets[:, t]).to(dt)
+            S, z = S * keep.view(B, 1, 1, 1, 1), z * keep.view(B, 1, 1, 1)
+        S = g.view(1, Lv, H, 1, 1) * S + fk[..., :, None] * vf[:, t, None, :, None, :]
+        z = g.view(1, Lv, H, 1) * z + fk
         num = torch.einsum("blhd,blhde->blhe", fq, S)
-        den = (fq * z).sum(-1, keepdim=True)
-        outs.append(torch.einsum("l,blhe->bhe", w, num / (den + eps)))
+        y = num / ((fq * z).sum(-1, keepdim=True) + eps) if normalize else num
+        outs.append(torch.einsum("l,blhe->bhe", w, y))
     return torch.stack(outs, 1).to(q.dtype), (S, z)
 
 
@@ -98,10 +112,11 @@ def _fold_features(x, omegas):
     return torch.cat(feats, dim=1) if len(feats) > 1 else feats[0]
 
 
-def _chunks(fq, fk, ve, S, lg, C):
+def _chunks(fq, fk, ve, S, lg, C, r=None):
     """Equal chunks of C positions. fq, fk [B, N, n·C, D]; ve [B, N, n·C, E] (v with a ones
-    column); S [B, N, D, E] the state before the first position; lg [N] log-decay or None.
-    Returns the unnormalised outputs [B, N, n·C, E] and the state after the last position."""
+    column); S [B, N, D, E] the state before the first position; lg [N] log-decay or None;
+    r [B, n·C] bool resets or None. Returns the unnormalised outputs [B, N, n·C, E] and the state
+    after the last position."""
     B, N, TT, D = fq.shape
     E = ve.shape[-1]
     n = TT // C
@@ -120,10 +135,19 @@ def _chunks(fq, fk, ve, S, lg, C):
         kw = k * torch.exp(lgv * (C - 1 - i)).view(1, N, 1, C, 1)
         qw = q * torch.exp(lgv * (i + 1)).view(1, N, 1, C, 1)
         gC = torch.exp(lg * C).view(1, N, 1, 1)
+    carry = None
+    if r is not None:  # a position reaches another iff no reset lies after the first, up to the second
+        seg = r.view(B, n, C).cumsum(-1)  # resets so far in the chunk [B, n, C]
+        A = A * (seg[..., :, None] == seg[..., None, :])[:, None]
+        qw = qw * (seg == 0)[:, None, :, :, None]  # before the chunk's first reset: they read its start state
+        kw = kw * (seg == seg[..., -1:])[:, None, :, :, None]  # after its last reset: they reach its end state
+        carry = (seg[..., -1] == 0).to(S.dtype).view(B, 1, n, 1, 1).unbind(2)  # the start state survives
     delta = kw.transpose(-1, -2) @ v  # [B, N, n, D, E]
     starts = []
-    for d in delta.unbind(2):
+    for c, d in enumerate(delta.unbind(2)):
         starts.append(S)
+        if carry is not None:
+            S = S * carry[c]
         S = S + d if gC is None else gC * S + d
     with torch.autocast(fq.device.type, enabled=False):  # fp32: see the note on the Triton state dots
         inter = qw @ torch.stack(starts, 2)
@@ -131,7 +155,7 @@ def _chunks(fq, fk, ve, S, lg, C):
     return y.reshape(B, N, TT, E), S
 
 
-def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
+def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps, normalize=True, resets=None):
     """Chunked forward in fp32 with plain autograd; cost linear in T, no [B, T, D, D] tensor.
     Under autocast the matmuls within a chunk take its dtype (as the Triton kernels' dots take the
     inputs'); the state is summed, and multiplied with the queries, in fp32."""
@@ -147,19 +171,20 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps):
         S = torch.zeros(B, N, D, D + 1, device=q.device)
     else:
         S = torch.cat([state[0].float(), state[1].float()[..., None]], -1).reshape(B, N, D, D + 1)
-    lg = None if decay is None else torch.log(decay.float()).repeat(Lv)
+    lg = None if decay is None else torch.log(_level_decays(decay, Lv, H, torch.float32, q.device)).reshape(N)
     C = min(_CPU_CHUNK, T)
     full = (T // C) * C
     ys = []
-    y, S = _chunks(fq[:, :, :full], fk[:, :, :full], ve[:, :, :full], S, lg, C)
+    r = (None, None) if resets is None else (resets[:, :full], resets[:, full:])
+    y, S = _chunks(fq[:, :, :full], fk[:, :, :full], ve[:, :, :full], S, lg, C, r[0])
     ys.append(y)
     if full < T:
-        y, S = _chunks(fq[:, :, full:], fk[:, :, full:], ve[:, :, full:], S, lg, T - full)
+        y, S = _chunks(fq[:, :, full:], fk[:, :, full:], ve[:, :, full:], S, lg, T - full, r[1])
         ys.append(y)
     y = torch.cat(ys, 2) if len(ys) > 1 else ys[0]
     # w_l / (den + eps) on the [B, N, T, 1] column, then one pass over the numerator
-    scale = level_weights.float().repeat_interleave(H).view(1, N, 1, 1) / (y[..., D:] + eps)
-    o = y[..., :D] * scale  # [B, N, T, D]
+    scale = level_weights.float().repeat_interleave(H).view(1, N, 1, 1)
+    o = y[..., :D] * (scale / (y[..., D:] + eps) if normalize else scale)  # [B, N, T, D]
     o = o.view(B, Lv, H, T, D).sum(1) if Lv > 1 else o
     S = S.reshape(B, Lv, H, D, D + 1)
     return o.transpose(1, 2).to(q.dtype).contiguous(), (S[..., :D], S[..., D])
@@ -323,7 +348,7 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_pt
     l = (n // H) % LV
     b = n // (H * LV)
     om = tl.load(om_ptr + l)
-    lg = tl.log(tl.load(g_ptr + h))
+    lg = tl.log(tl.load(g_ptr + l * H + h))
     rt = tl.arange(0, BT)
     rd, dmask, smask, soff = _state_index(D, BD)
     S, z = _load_state(s0_ptr, z0_ptr, n, D, BD, HAS_INIT)
@@ -349,22 +374,23 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_pt
 
 @triton.jit
 def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_ptr, y_ptr, den_ptr,
-                   B, T, H, D, NC, eps, LV: tl.constexpr,
+                   B, T, H, D, NC, eps, LV: tl.constexpr, NORM: tl.constexpr,
                    STORE_Y: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr, BT: tl.constexpr,
                    BD: tl.constexpr):
     """One (chunk, b, h) over all levels: num = (γ^{i+1} f(q)) S_c + (f(q) f(k)ᵀ ∘ M) v, den the
-    same with z_c and a ones column (M_ts = γ^{t−s}, t ≥ s); o = Σ_l w_l num/(den + eps).
-    With STORE_Y, per-level y [Lv, B, T, H, D] and den [B, Lv, H, T] (fp32) are kept for backward."""
+    same with z_c and a ones column (M_ts = γ^{t−s}, t ≥ s); o = Σ_l w_l y_l with y_l = num/(den + eps)
+    (NORM) or num. With STORE_Y, per-level y [Lv, B, T, H, D] and (NORM) den [B, Lv, H, T] (fp32)
+    are kept for backward."""
     DT = v_ptr.dtype.element_ty
     SDT = tl.float32 if DT == tl.float16 else DT
     c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, NC, BT, BD)
     rd, dmask, smask, soff = _state_index(D, BD)
-    lg = tl.log(tl.load(g_ptr + h))
     qx, kx, vx = _load_qkv(q_ptr, k_ptr, v_ptr, off, m2)
-    gq = tl.exp(lg * (rt + 1).to(tl.float32))
-    M = _decay_mask(lg, rt)
     o = tl.zeros([BT, BD], dtype=tl.float32)
     for l in tl.static_range(LV):
+        lg = tl.log(tl.load(g_ptr + l * H + h))
+        gq = tl.exp(lg * (rt + 1).to(tl.float32))
+        M = _decay_mask(lg, rt)
         om, fq, fk = _level_features(qx, kx, om_ptr, l, m2)
         n = (b * LV + l) * H + h
         hoff = n * NC + c
@@ -377,29 +403,35 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
         if SDROP > 0:  # A as rounded to DT for the numerator's dot (bf16 and fp16 both drop SDROP
             # bits; fp16's subnormals below 6e-5 lose more), and so summed in the denominator
             A = _round_mantissa(A, SDROP)
-        num = _state_dot(qd, S, SDT, PREC, SDROP)
-        num += tl.dot(A.to(DT), vx, input_precision=PREC)
-        den = tl.sum(qd * z[None, :], 1) + tl.sum(A, 1)
-        y = num / (tl.where(tmask, den, 1.0) + eps)[:, None]  # padding rows: 0, not 0/0 when eps = 0
+        y = _state_dot(qd, S, SDT, PREC, SDROP)
+        y += tl.dot(A.to(DT), vx, input_precision=PREC)
+        if NORM:
+            den = tl.sum(qd * z[None, :], 1) + tl.sum(A, 1)
+            y = y / (tl.where(tmask, den, 1.0) + eps)[:, None]  # padding rows: 0, not 0/0 when eps = 0
         o += tl.load(w_ptr + l).to(tl.float32) * y
         if STORE_Y:
             tl.store(y_ptr + (l * B + b) * T * H * D + row, y, mask=m2)
-            tl.store(den_ptr + n * T + t, den, mask=tmask)
+            if NORM:
+                tl.store(den_ptr + n * T + t, den, mask=tmask)
     tl.store(o_ptr + off, o.to(o_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
-def _out_grads(do, y, den, wl, eps):
-    """dy = w_l·dO split into the numerator grad g [BT, BD] and the denominator grad gz [BT]."""
-    inv = wl / (den + eps)
-    return do * inv[:, None], -tl.sum(do * y, 1) * inv
+def _out_grads(do, y, den_ptr, n, T, t, tmask, wl, eps, NORM: tl.constexpr):
+    """dy = w_l·dO split into the numerator grad g [BT, BD] and the denominator grad gz [BT]
+    (0 without the denominator)."""
+    if NORM:
+        den = tl.load(den_ptr + n * T + t, mask=tmask, other=1.0)  # padding rows: g = 0, not 0/0
+        inv = wl / (den + eps)
+        return do * inv[:, None], -tl.sum(do * y, 1) * inv
+    return do * wl, tl.zeros_like(tl.sum(do, 1))
 
 
 @triton.autotune(configs=_configs(), key=["BT", "BD"])
 @triton.jit
 def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, dsf_ptr, dzf_ptr,
                           dhs_ptr, dzs_ptr, ds0_ptr, dz0_ptr, B, T, H, D, NC, eps,
-                          LV: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                          LV: tl.constexpr, NORM: tl.constexpr, HAS_DFINAL: tl.constexpr,
                           STORE_DINIT: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr,
                           BT: tl.constexpr, BD: tl.constexpr):
     """Reverse recurrence for one folded head: stores the grad of each chunk's end state, then
@@ -412,7 +444,7 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
     b = n // (H * LV)
     om = tl.load(om_ptr + l)
     wl = tl.load(w_ptr + l).to(tl.float32)
-    lg = tl.log(tl.load(g_ptr + h))
+    lg = tl.log(tl.load(g_ptr + l * H + h))
     rt = tl.arange(0, BT)
     rd, dmask, smask, soff = _state_index(D, BD)
     dS, dz = _load_state(dsf_ptr, dzf_ptr, n, D, BD, HAS_DFINAL)
@@ -430,10 +462,9 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
         qd = _feature(tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32), om, m2) * gq[:, None]
         do = tl.load(do_ptr + off, mask=m2, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + l * B * T * H * D + off, mask=m2, other=0.0)
-        den = tl.load(den_ptr + n * T + t, mask=tmask, other=1.0)  # padding rows: g = 0, not 0/0
-        g, gz = _out_grads(do, y, den, wl, eps)
+        g, gz = _out_grads(do, y, den_ptr, n, T, t, tmask, wl, eps, NORM)
         qd, g = _operand(qd, SDT, SDROP), _operand(g, SDT, SDROP)
-        if SDROP > 0:
+        if SDROP > 0 and NORM:
             gz = -tl.sum(g.to(tl.float32) * y, 1)
         gL = tl.exp(lg * tl.minimum(T - c * BT, BT).to(tl.float32))
         dS = dS * gL + tl.dot(tl.trans(qd), g, input_precision=PREC)
@@ -446,7 +477,7 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
 @triton.jit
 def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr,
                          hs_ptr, zs_ptr, dhs_ptr, dzs_ptr, dq_ptr, dk_ptr, dv_ptr, dwp_ptr,
-                         B, T, H, D, NC, eps, LV: tl.constexpr,
+                         B, T, H, D, NC, eps, LV: tl.constexpr, NORM: tl.constexpr,
                          PREC: tl.constexpr, SDROP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """One (chunk, b, h) over all levels: dq, dk, dv (inter-chunk terms from S_c, z_c and the
     end-state grads dS, dz; intra-chunk terms through the decay mask), summed over levels with
@@ -455,25 +486,24 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
     SDT = tl.float32 if DT == tl.float16 else DT
     c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, NC, BT, BD)
     rd, dmask, smask, soff = _state_index(D, BD)
-    lg = tl.log(tl.load(g_ptr + h))
     qx, kx, vx = _load_qkv(q_ptr, k_ptr, v_ptr, off, m2)
     do = tl.load(do_ptr + off, mask=m2, other=0.0).to(tl.float32)
     L = tl.minimum(T - c * BT, BT)
-    gq = tl.exp(lg * (rt + 1).to(tl.float32))
-    gk = tl.where(rt < L, tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32)), 0.0)
-    M = _decay_mask(lg, rt)
     dq = tl.zeros([BT, BD], dtype=tl.float32)
     dk = tl.zeros([BT, BD], dtype=tl.float32)
     dv = tl.zeros([BT, BD], dtype=tl.float32)
     for l in tl.static_range(LV):
+        lg = tl.log(tl.load(g_ptr + l * H + h))
+        gq = tl.exp(lg * (rt + 1).to(tl.float32))
+        gk = tl.where(rt < L, tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32)), 0.0)
+        M = _decay_mask(lg, rt)
         om, fq, fk = _level_features(qx, kx, om_ptr, l, m2)
         n = (b * LV + l) * H + h
         hoff = n * NC + c
         y = tl.load(y_ptr + (l * B + b) * T * H * D + row, mask=m2, other=0.0)
-        den = tl.load(den_ptr + n * T + t, mask=tmask, other=1.0)
         tl.store(dwp_ptr + (bh * NC + c) * LV + l, tl.sum(tl.sum(do * y, 1), 0))
-        g, gz = _out_grads(do, y, den, tl.load(w_ptr + l).to(tl.float32), eps)
-        if SDROP > 0:  # g as the state dot sees it, and gz = −g·y from the same values
+        g, gz = _out_grads(do, y, den_ptr, n, T, t, tmask, tl.load(w_ptr + l).to(tl.float32), eps, NORM)
+        if SDROP > 0 and NORM:  # g as the state dot sees it, and gz = −g·y from the same values
             g = _round_mantissa(g, SDROP)
             gz = -tl.sum(g * y, 1)
         S = tl.load(hs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
@@ -501,14 +531,13 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
 
 @triton.jit
 def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, o_ptr, sf_ptr,
-                      zf_ptr, T, H, D, eps, LV: tl.constexpr,
+                      zf_ptr, T, H, D, eps, LV: tl.constexpr, NORM: tl.constexpr,
                       HAS_INIT: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr):
     """One (b, h), all levels, T ≤ TB positions one by one with the state in registers (fp32):
     the recurrence exactly as written; o rows collected in registers, new (S, z) stored."""
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
-    gam = tl.load(g_ptr + h)
     rt = tl.arange(0, TB)
     rd, dmask, smask, soff = _state_index(D, BD)
     base = b * T * H * D + h * D
@@ -516,6 +545,7 @@ def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr,
     for l in tl.static_range(LV):
         om = tl.load(om_ptr + l)
         wl = tl.load(w_ptr + l).to(tl.float32)
+        gam = tl.load(g_ptr + l * H + h)
         n = (b * LV + l) * H + h
         S, z = _load_state(s0_ptr, z0_ptr, n, D, BD, HAS_INIT)
         for t in range(T):
@@ -525,7 +555,9 @@ def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr,
             vx = tl.load(v_ptr + off, mask=dmask, other=0.0).to(tl.float32)
             S = gam * S + fk[:, None] * vx[None, :]
             z = gam * z + fk
-            y = tl.sum(fq[:, None] * S, 0) / (tl.sum(fq * z, 0) + eps)
+            y = tl.sum(fq[:, None] * S, 0)
+            if NORM:
+                y = y / (tl.sum(fq * z, 0) + eps)
             acc = tl.where(rt[:, None] == t, acc + wl * y[None, :], acc)
         tl.store(sf_ptr + n * D * D + soff, S, mask=smask)
         tl.store(zf_ptr + n * D + rd, z, mask=dmask)
@@ -582,11 +614,12 @@ def _states(k, v, om, g, S0, z0, store_final, BT):
 
 
 class _TritonLinearAttention(torch.autograd.Function):
-    """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay g [H], eps,
-    need: a backward will follow) -> (o [B, T, H, D], S [B, Lv, H, D, D], z [B, Lv, H, D])."""
+    """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay g [Lv, H], eps,
+    norm: divide by the denominator, need: a backward will follow) -> (o [B, T, H, D],
+    S [B, Lv, H, D, D], z [B, Lv, H, D])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, S0, z0, om, g, eps, need):
+    def forward(ctx, q, k, v, w, S0, z0, om, g, eps, norm, need):
         B, T, H, D = q.shape
         Lv = om.numel()
         BT, BD = _chunk_len(T, _FWD_CHUNK), _block_d(D)
@@ -594,14 +627,14 @@ class _TritonLinearAttention(torch.autograd.Function):
         NC = triton.cdiv(T, BT)
         o = _backend.empty(B, T, H, D, dtype=q.dtype, device=q.device)
         y = _backend.empty(Lv, B, T, H, D, dtype=torch.float32, device=q.device) if need else o
-        den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need else hs
+        den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need and norm else hs
         _la_out_kernel[(NC * B * H,)](
             q, k, v, w, om, g, hs, zs, o, y, den, B, T, H, D, NC, eps,
-            LV=Lv, STORE_Y=need, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
-            num_warps=_PARALLEL_WARPS)
+            LV=Lv, NORM=norm, STORE_Y=need, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT,
+            BD=BD, num_warps=_PARALLEL_WARPS)
         if need:
             ctx.save_for_backward(q, k, v, w, S0, z0, om, g, y, den)
-            ctx.eps = eps
+            ctx.eps, ctx.norm = eps, norm
         ctx.set_materialize_grads(False)
         return o, sf, zf
 
@@ -609,7 +642,7 @@ class _TritonLinearAttention(torch.autograd.Function):
     @_backend.first_order_only
     def backward(ctx, do, dsf, dzf):
         q, k, v, w, S0, z0, om, g, y, den = ctx.saved_tensors
-        eps = ctx.eps
+        eps, norm = ctx.eps, ctx.norm
         B, T, H, D = q.shape
         Lv = om.numel()
         BT, BD = _chunk_len(T, _BWD_CHUNK), _block_d(D)
@@ -628,7 +661,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         dz0 = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=dev) if dinit else dzs
         _la_bwd_states_kernel[(B * Lv * H,)](
             q, do, y, den, w, om, g, dsf if has_df else dhs, dzf if has_df else dzs, dhs, dzs,
-            ds0, dz0, B, T, H, D, NC, eps, LV=Lv, HAS_DFINAL=has_df,
+            ds0, dz0, B, T, H, D, NC, eps, LV=Lv, NORM=norm, HAS_DFINAL=has_df,
             STORE_DINIT=dinit, PREC=_backend.dot_precision(q), SDROP=_state_split(q), BT=BT, BD=BD)
         dq = _backend.empty(B, T, H, D, dtype=q.dtype, device=dev)
         dk = _backend.empty(B, T, H, D, dtype=k.dtype, device=dev)
@@ -636,15 +669,15 @@ class _TritonLinearAttention(torch.autograd.Function):
         dwp = _backend.empty(B * H, NC, Lv, dtype=torch.float32, device=dev)
         _la_bwd_grads_kernel[(NC * B * H,)](
             q, k, v, do, y, den, w, om, g, hs, zs, dhs, dzs, dq, dk, dv, dwp, B, T, H, D, NC, eps,
-            LV=Lv, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
+            LV=Lv, NORM=norm, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
             num_warps=_PARALLEL_WARPS)
         dw = dwp.sum((0, 1)).to(w.dtype)
         if not dinit:
             ds0 = dz0 = None
-        return dq, dk, dv, dw, ds0, dz0, None, None, None, None
+        return dq, dk, dv, dw, ds0, dz0, None, None, None, None, None
 
 
-def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps):
+def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps, normalize=True):
     """Triton path: the decode kernel for T ≤ 16 without autograd, else the chunked Function."""
     B, T, H, D = q.shape
     Lv = len(omegas)
@@ -653,7 +686,7 @@ def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps):
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     w = level_weights.contiguous()
     om = _const(omegas, q.device)
-    g = _const([1.0] * H, q.device) if decay is None else decay.float().contiguous()
+    g = _const([1.0] * (Lv * H), q.device) if decay is None else decay.float().expand(Lv, H).contiguous()
     S0 = z0 = None
     if state is not None:
         S0, z0 = state[0].float().contiguous(), state[1].float().contiguous()
@@ -666,12 +699,12 @@ def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps):
         zf = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=q.device)
         _la_decode_kernel[(B * H,)](
             q, k, v, w, om, g, S0 if S0 is not None else sf,
-            z0 if z0 is not None else zf, o, sf, zf, T, H, D, eps, LV=Lv,
+            z0 if z0 is not None else zf, o, sf, zf, T, H, D, eps, LV=Lv, NORM=normalize,
             HAS_INIT=S0 is not None, TB=triton.next_power_of_2(T), BD=BD, num_warps=4)
         return o, (sf, zf)
     # forward runs under no_grad, and needs_input_grad ignores the caller's mode: `grads` decides
     # whether the backward's tensors are written (not under no_grad, e.g. evaluation)
-    o, sf, zf = _TritonLinearAttention.apply(q, k, v, w, S0, z0, om, g, float(eps), grads)
+    o, sf, zf = _TritonLinearAttention.apply(q, k, v, w, S0, z0, om, g, float(eps), normalize, grads)
     return o, (sf, zf)
 
 
@@ -680,23 +713,27 @@ def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps):
 # ----------------------------------------------------------------------------------------------
 
 def linear_attention(q, k, v, level_weights, omegas, decay=None, state=None, eps=1e-6,
-                     backend="auto"):
+                     backend="auto", normalize=True, resets=None):
     """Multi-level causal linear attention (see the module docstring).
 
-    q, k, v [B, T, H, D]; level_weights [Lv]; omegas Lv floats; decay None or [H];
-    state None or (S [B, Lv, H, D, D], z [B, Lv, H, D]). Returns (o [B, T, H, D] in q's dtype,
+    q, k, v [B, T, H, D]; level_weights [Lv]; omegas Lv floats; decay None, [H] or [Lv, H];
+    state None or (S [B, Lv, H, D, D], z [B, Lv, H, D]); ``normalize=False`` leaves out the
+    denominator (y_l = f_l(q)ᵀ S; z is still carried); resets None or [B, T] bool: where True the
+    state is zeroed before that position (a document starts there). Returns (o [B, T, H, D] in q's dtype,
     (S, z) fp32 after the last position); differentiable in q, k, v, level_weights and state,
     and in decay on the reference path only.
     """
     path = _backend.pick(backend, q)
     if path == "reference":
-        return linear_attention_reference(q, k, v, level_weights, omegas, decay, state, eps)
-    _check(q, k, v, level_weights, omegas, decay, state)
+        return linear_attention_reference(q, k, v, level_weights, omegas, decay, state, eps, normalize, resets)
+    _check(q, k, v, level_weights, omegas, decay, state, resets)
     if decay is not None and decay.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"the {path} path of linear_attention has no gradient for decay: pass a "
                          "decay that does not require grad (a buffer, or decay.detach()), or use "
                          "backend='reference'")
     omegas = [float(om) for om in omegas]
     if path == "triton":
-        return _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps)
-    return _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps)
+        if resets is not None:
+            raise NotImplementedError("the Triton linear attention has no resets: use backend='torch'")
+        return _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps, normalize)
+    return _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps, normalize, resets)
