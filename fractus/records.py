@@ -25,6 +25,8 @@ import torch
 
 from fractus.atomic import atomic_open
 from fractus.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
+from fractus.resume import check_training_state
+from fractus.runs import planned_steps, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout: results/, data/
 
@@ -155,7 +157,6 @@ def run_rows(run: str | Path, label: str | None = None) -> list[dict]:
     a finished run again). ValueError unless the run reached its planned steps, metrics.csv holds
     one row for each step and ends with the final validation, and the checkpoint records the process
     of every step; CheckpointError for a checkpoint without a training state."""
-    from fractus.train import check_training_state, planned_steps, read_metrics
     run = Path(run)
     ckpt = load_checkpoint(run / "ckpt.pt")
     check_training_state(ckpt, run / "ckpt.pt")

@@ -1,5 +1,5 @@
 """Test set-up: Triton kernels run in the interpreter on CPU, computing bf16 and tf32 as a GPU does
-(:mod:`fractus.kernels.interpret`), and outputs are NaN-poisoned. Under ``pytest -n N --dist
+(:mod:`fractus.verify.interpret`), and outputs are NaN-poisoned. Under ``pytest -n N --dist
 loadfile`` (``make test``) the workers share the cores."""
 import os
 
@@ -11,7 +11,8 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # before torch: its threads, and 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fractus.kernels import backend, interpret  # noqa: E402
+from fractus.kernels import backend  # noqa: E402
+from fractus.verify import interpret  # noqa: E402
 
 interpret.install()  # bf16 and tf32 computed as a GPU does, for kernels launched directly too
 

@@ -7,7 +7,7 @@ from fractus.baseline import GPT, GPTConfig
 from fractus.evaluate import evaluate_checkpoint
 from fractus.model import load_model
 from fractus.train import main, train
-from test_train import cli, make_corpus, metrics
+from util import cli, make_corpus, metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
 from fractus.sample import main as sample_main
 from fractus.train import main as train_main
-from test_train import cli, make_corpus
+from util import cli, make_corpus
 
 UNREADABLE = "damaged, truncated or not a checkpoint"
 

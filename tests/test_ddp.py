@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fractus.checkpoint import load_checkpoint
 from fractus.model import FractusConfig, FractusCTE
 from fractus.train import train
-from test_train import ROOT, SAME, make_corpus
+from util import ROOT, SAME, make_corpus
 from util import rel_err
 
 

@@ -10,7 +10,7 @@ import fractus.merge as merge_mod
 from fractus.merge import distance_to_mean, main, merge
 from fractus.model import FractusConfig, FractusCTE
 from fractus.train import train
-from test_train import cli, make_corpus
+from util import cli, make_corpus
 from util import assert_rel
 
 ANCESTOR = "0" * 32  # the fingerprint checkpoints saved by hand claim to share

@@ -23,30 +23,11 @@ from fractus.data import TokenStreams, load_tokens, prepare, write_toy_corpus
 from fractus.data import main as data_main
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
+from fractus.resume import RESUME_KEYS
+from fractus.runs import METRIC_FIELDS
 from fractus.tokenizer import get_tokenizer
 from fractus.train import NonFiniteLoss, main, micro_steps, set_active_blocks, train
-
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 80  # optimizer steps of the reference run (2 streams × 16 tokens each)
-SAME = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "val_ce", "val_bpb", "val_ppl")
-
-
-def make_corpus(root: Path) -> Path:
-    """A small deterministic text, prepared with vocab 512 into root/data."""
-    prepare(str(write_toy_corpus(root / "corpus.txt")), root / "data", vocab_size=512)
-    return root / "data"
-
-
-def cli(data, out, *extra, tokens=STEPS * 32) -> list[str]:
-    return ["--preset", "tiny", "--data", str(data), "--out", str(out), "--tokens", str(tokens),
-            "--batch-size", "2", "--chunk-len", "16", "--accum", "1", "--threads", "1",
-            "--eval-every", "10", "--eval-tokens", "128", "--ckpt-every", "5", "--sample-tokens", "0",
-            "--no-progress", *extra]
-
-
-def metrics(out: Path) -> list[dict]:
-    with open(out / "metrics.csv", newline="") as f:
-        return [{k: r[k] for k in SAME} for r in csv.DictReader(f)]
+from util import ROOT, SAME, STEPS, cli, make_corpus, metrics
 
 
 def popen(argv, script=None) -> subprocess.Popen:
@@ -687,7 +668,7 @@ CHANGED = {"model": ["--model", "gpt"], "preset": ["--preset", "palier0"], "data
 
 
 def test_resume_refuses_every_setting_that_shapes_the_run(data, tmp_path, capsys):
-    assert set(CHANGED) == set(train_mod.RESUME_KEYS)
+    assert set(CHANGED) == set(RESUME_KEYS)
     out = tmp_path / "run"
     train(cli(data, out, "--eval-every", "0", tokens=2 * 32))
     other = tmp_path / "other"
@@ -872,7 +853,7 @@ def test_records_cli(data, tmp_path, capsys):
     assert "4 rows" in capsys.readouterr().out
     with open(table, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == [*train_mod.METRIC_FIELDS, "run", "weights", *records.provenance()]
+    assert list(rows[0]) == [*METRIC_FIELDS, "run", "weights", *records.provenance()]
     assert [r["step"] for r in rows] == ["1", "2", "3", "4"] and rows[0]["run"] == str(out)
     assert rows[0]["git_sha"] == records.git_sha() and rows[-1]["val_ce"] == metrics(out)[-1]["val_ce"]
     for argv, message in (([str(out), "--out", str(table)], "exists (--force replaces it)"),

@@ -1,11 +1,17 @@
-"""The tests' error asserts (on :func:`fractus.bench.common.rel_err`), a kernel-launch recorder and an
-autotune pin."""
+"""What several test modules share: the error asserts (on :func:`fractus.bench.common.rel_err`), a
+kernel-launch recorder, an autotune pin, random MoE experts, and a toy corpus with the trainer's
+arguments for short runs on it."""
+import csv
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 
 from fractus.bench.common import rel_err
+from fractus.data import prepare, write_toy_corpus
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 
 
 class Launches:
@@ -60,3 +66,43 @@ def assert_lowp(x: torch.Tensor, same_dtype_ref: torch.Tensor, truth: torch.Tens
     """Low precision rule: err(x vs fp32 truth) <= err(same-dtype PyTorch ref vs truth) + tol."""
     e, e_ref = rel_err(x, truth), rel_err(same_dtype_ref, truth)
     assert e <= e_ref + tol, f"{what}: error {e:.3e} > same-dtype reference {e_ref:.3e} + {tol:.0e}"
+
+
+MOE_D, MOE_FF = 48, 80  # the MoE tests' widths: not multiples of the kernels' blocks
+
+
+def make_experts(E, d=MOE_D, F=MOE_FF, r=16, lowrank=True, dtype=torch.float32):
+    """Random experts of either kind, as leaf tensors that require grad."""
+    if lowrank:
+        ex = dict(V1=torch.randn(E, d, r) / d ** 0.5, U1=torch.randn(E, F, r) / r ** 0.5,
+                  b1=0.1 * torch.randn(E, F), s1=0.5 + torch.rand(E),
+                  V2=torch.randn(E, F, r) / F ** 0.5, U2=torch.randn(E, d, r) / r ** 0.5,
+                  b2=0.1 * torch.randn(E, d), s2=0.5 + torch.rand(E))
+    else:
+        ex = dict(W1=torch.randn(E, d, F) / d ** 0.5, b1=0.1 * torch.randn(E, F),
+                  W2=torch.randn(E, F, d) / F ** 0.5, b2=0.1 * torch.randn(E, d))
+    return {k: v.to(dtype).requires_grad_() for k, v in ex.items()}
+
+
+STEPS = 80  # optimizer steps of the trainer tests' reference run (2 streams × 16 tokens each)
+SAME = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "val_ce", "val_bpb", "val_ppl")
+
+
+def make_corpus(root: Path) -> Path:
+    """A small deterministic text, prepared with vocab 512 into root/data."""
+    prepare(str(write_toy_corpus(root / "corpus.txt")), root / "data", vocab_size=512)
+    return root / "data"
+
+
+def cli(data, out, *extra, tokens=STEPS * 32) -> list[str]:
+    """The trainer's arguments for a short run of the tiny preset on ``data`` (one thread, no bar)."""
+    return ["--preset", "tiny", "--data", str(data), "--out", str(out), "--tokens", str(tokens),
+            "--batch-size", "2", "--chunk-len", "16", "--accum", "1", "--threads", "1",
+            "--eval-every", "10", "--eval-tokens", "128", "--ckpt-every", "5", "--sample-tokens", "0",
+            "--no-progress", *extra]
+
+
+def metrics(out: Path) -> list[dict]:
+    """The columns :data:`SAME` of each row of ``out/metrics.csv``."""
+    with open(out / "metrics.csv", newline="") as f:
+        return [{k: r[k] for k in SAME} for r in csv.DictReader(f)]

@@ -3,7 +3,7 @@
 ``cpu`` measures training throughput and each op's PyTorch path against its baseline and
 writes ``results/*_cpu.csv`` (tiny sizes under FRACTUS_SMOKE=1). ``aot`` compiles every Triton
 kernel for sm_90 (H100/H200) without a GPU and writes ``results/aot_sm90.csv``
-(:mod:`fractus.bench.aot`). ``gpu`` is the GPU suite (:mod:`fractus.bench.gpu`); ``--dry-run``
+(:mod:`fractus.verify.aot`). ``gpu`` is the GPU suite (:mod:`fractus.bench.gpu`); ``--dry-run``
 runs its code paths on CPU at tiny sizes.
 """
 from __future__ import annotations
@@ -18,17 +18,18 @@ from pathlib import Path
 import pandas as pd
 
 from fractus.allocator import keep_freed_memory
-from fractus.bench import aot
 from fractus.bench.common import SMOKE
 from fractus.records import write_csv
+from fractus.verify import aot
 
-SUBJECTS = ("train", "linear_attention", "moe", "cross_entropy")
+# subject (its CSV: OUT/<subject>_cpu.csv) → the module whose cpu_rows measure it
+SUBJECTS = {"train": "throughput", "linear_attention": "linear_attention", "moe": "moe", "cross_entropy": "cross_entropy"}
 
 
 def run_cpu(out: Path, only: list[str]) -> None:
     """Each subject's CPU rows → ``out/<subject>_cpu.csv`` (tiny sizes under FRACTUS_SMOKE=1)."""
     for name in only:
-        mod = importlib.import_module(f"fractus.bench.{name}")
+        mod = importlib.import_module(f"fractus.bench.{SUBJECTS[name]}")
         rows = mod.cpu_rows(smoke=SMOKE)
         path = write_csv(out / f"{name}_cpu.csv", rows)
         print(f"\n== {name} → {path}")

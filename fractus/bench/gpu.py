@@ -10,7 +10,7 @@
 4. each kernel timed against its baselines (fla / Liger side by side when installed, and
    torch.compile: these compile and autotune, so they come after the training target), then
    tick-by-tick generation tokens/s, the lever stack and the profiler breakdown (notebooks 01, 02);
-   last, every kernel once at offsets past 2³¹ elements (:mod:`fractus.bench.offsets`);
+   last, every kernel once at offsets past 2³¹ elements (:mod:`fractus.verify.offsets`);
 5. CSVs under ``results/gpu/`` (read by the notebooks), ``targets.csv`` (each target of the
    issues: met, missed or not measured) and a summary printed last (a pass/fail table per kernel
    and dtype, the training sweep, generation, the targets).
@@ -20,7 +20,7 @@ CUDA's context unusable, e.g. an illegal memory access, in a fresh process); wit
 stage that would start after the budget is spent is recorded as skipped, so the summary and the
 CSVs are written before an outer time limit kills the run. ``--dry-run`` runs the same code paths
 on CPU at tiny sizes (kernels through Triton's interpreter, which computes bf16 and tf32 there as
-a GPU does: :mod:`fractus.kernels.interpret`); CI runs it.
+a GPU does: :mod:`fractus.verify.interpret`); CI runs it.
 """
 from __future__ import annotations
 
@@ -42,15 +42,18 @@ import pandas as pd
 import torch
 
 from fractus.atomic import atomic_open
-from fractus.bench import aot, common, levers, offsets, profile
+from fractus.bench import common, levers, profile
+from fractus.bench.cases import GEN_PROMPT, kuramoto_case
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
 from fractus.bench.costmodel import H200_DATASHEET, H200_NVL_BF16_TFLOPS, flops_per_token
-from fractus.bench.train import measure_training
+from fractus.bench.throughput import measure_training
 from fractus.data import prepare, write_toy_corpus
 from fractus.kernels import backend as _backend
 from fractus.model import FractusConfig, FractusCTE
 from fractus.records import cuda_name, provenance, write_csv
-from fractus.train import read_metrics, train
+from fractus.runs import read_metrics
+from fractus.train import train
+from fractus.verify import aot, offsets
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
 TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
@@ -62,7 +65,6 @@ ORIGINAL_1B_GPU = {"gpu": "RTX 5090", "batch_size": 2, "chunk_len": 128, "tok_s"
 TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
                ("palier2", (8, 64, 128), 128), ("palier3", (8, 32, 64), 128), ("1b", (2, 8, 32, 64, 128), 128)]
 DRY_SWEEP = [("tiny", (1, 2), 16)]
-GEN_PROMPT = list(range(1, 17))  # generation's prompt (16 tokens)
 
 
 def train_recipe(preset: str, chunk_len: int, batch_size: int = 8) -> levers.Recipe:
@@ -145,15 +147,6 @@ def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> Itera
                     return
             else:
                 yield r
-
-
-def kuramoto_case(device: torch.device, small: bool):
-    """θ⁰ [M, N], ω, U, λ (leaves on the device) and an upstream gradient for ψ [M], fp32."""
-    M, N, r = (37, 8, 4) if small else (1 << 17, 16, 8)  # 1b: 16 oscillators, rank 8
-    g = torch.Generator().manual_seed(0)
-    args = [3 * torch.randn(M, N, generator=g), 0.3 * torch.randn(N, generator=g),
-            torch.randn(N, r, generator=g) / N ** 0.5, 0.5 + torch.rand(r, generator=g)]
-    return [a.to(device).requires_grad_() for a in args], torch.randn(M, generator=g).to(device)
 
 
 def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dict]:

@@ -4,7 +4,7 @@ A :class:`Recipe` is one training configuration (model switches + trainer switch
 recipe this module measures
 
 - speed: tokens/s of the trainer's own optimizer steps on random tokens
-  (:func:`fractus.bench.train.measure_training`), always as a ratio to a baseline measured in
+  (:func:`fractus.bench.throughput.measure_training`), always as a ratio to a baseline measured in
   the same run;
 - peak memory of a first optimizer step (activations, gradients, optimizer state) in a fresh
   process (:func:`peak_bytes`);
@@ -32,12 +32,13 @@ import numpy as np
 import torch
 
 from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes, dtype_name
-from fractus.bench.train import measure_training, random_batches
+from fractus.bench.throughput import measure_training, random_batches
 from fractus.data import TokenStreams, load_meta, load_tokens, prepare
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.records import REPO
+from fractus.resume import DEFAULT_LR
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-from fractus.train import DEFAULT_LR, evaluate, lr_lambda, make_optimizer, micro_steps, set_active_blocks
+from fractus.train import evaluate, lr_lambda, make_optimizer, micro_steps, set_active_blocks
 
 REFERENCE_TOKENS_PER_STEP = 2048  # the trainer's defaults: 8 streams × 32 positions × accumulation 8
 # Model dimensions that FRACTUS_SMOKE runs use instead of a preset's: the 'tiny' preset's widths.
@@ -100,14 +101,14 @@ class Recipe:
         return DEFAULT_LR[self.optimizer] * math.sqrt(self.tokens_per_step() / REFERENCE_TOKENS_PER_STEP)
 
     def trainer_kwargs(self) -> dict:
-        """:func:`fractus.bench.train.measure_training`'s keywords for this recipe (the learning
+        """:func:`fractus.bench.throughput.measure_training`'s keywords for this recipe (the learning
         rate, the timing and the device aside)."""
         return dict(batch_size=self.batch_size, chunk_len=self.chunk_len, accum=self.accum,
                     optimizer=self.optimizer, head_positions=self.head_positions,
                     active_blocks=self.active_blocks, compile=self.compile, **self.model_overrides())
 
     def model_overrides(self) -> dict:
-        """The config overrides :func:`fractus.bench.train.measure_training` takes."""
+        """The config overrides :func:`fractus.bench.throughput.measure_training` takes."""
         cfg = self.config()
         return dict(dict(self.dims), vocab_size=cfg.vocab_size, tie_head=cfg.tie_head,
                     fused_ce=cfg.fused_ce, detach_kuramoto=cfg.detach_kuramoto, top_k=cfg.top_k)

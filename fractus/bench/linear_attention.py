@@ -338,7 +338,7 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     dots), and over one long call from no state with v and dO around a mean (the numerator and
     the denominator must round alike). fp32: rel_err < 1e-4 (over the long call, like low
     precision with a margin of 1e-4: fp32 accumulation alone errs by ~1e-4 there). bf16 (on CPU
-    through the interpreter, which :mod:`fractus.kernels.interpret` makes round it as a GPU does):
+    through the interpreter, which :mod:`fractus.verify.interpret` makes round it as a GPU does):
     rel_err ≤ that of the PyTorch path in bf16 + 1e-2 (dw, a sum of B·T·H·D mostly cancelling
     terms, 3e-2). The interpreter's bf16 exceeds the PyTorch path's error at these sizes by at most
     3.6e-3 (dq over the long call), dw by 1.7e-2 (T = 300). Recorded, never raised."""

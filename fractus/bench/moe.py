@@ -202,7 +202,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
 def correctness_rows(device, smoke: bool = False) -> list[dict]:
     """Triton vs the fp32 per-token reference: output and every gradient, low-rank and dense.
 
-    fp32: rel_err < tol. bf16 (on CPU through the interpreter, which :mod:`fractus.kernels.interpret`
+    fp32: rel_err < tol. bf16 (on CPU through the interpreter, which :mod:`fractus.verify.interpret`
     makes round it as a GPU does): rel_err vs the fp32 truth ≤ that of the bf16 PyTorch path + 2e-3
     (the interpreter's bf16 exceeds it by at most 6.6e-4 at these sizes, 8.3e-4 at the dry run's;
     mostly the kernels are more accurate). Failures (including exceptions) are recorded, never raised.

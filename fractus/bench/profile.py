@@ -289,11 +289,11 @@ def gpu_launch_count(recipe: Recipe) -> int:
     """Kernel launches of one bf16 micro-step (forward + backward) on the GPU's path: the ATen
     ops that launch a kernel plus the Triton kernels' launches, counted on CPU at tiny widths
     with the Triton path forced and its launches captured instead of run
-    (:func:`fractus.bench.aot.capture_model`). Unlike :func:`op_count` (the CPU path, whose sorted MoE
+    (:func:`fractus.verify.aot.capture_model`). Unlike :func:`op_count` (the CPU path, whose sorted MoE
     runs ops per expert) nothing here grows with the experts."""
     from dataclasses import replace
 
-    from fractus.bench import aot
+    from fractus.verify import aot
     tiny = _tiny(recipe)
     tiny = replace(tiny, dims=tuple({**dict(tiny.dims), "backend": "triton"}.items()))
     launches = []
@@ -309,7 +309,7 @@ def clock_ops(cfg, rows: int = 256) -> dict[str, int]:
     """Kernel launches of one block's Kuramoto clock, forward + backward, on [rows, N] phases:
     as plain autograd (the reference), on the fused PyTorch path (hand-written RK4 backward) and
     on the Triton path (its ATen ops plus its kernels, captured on CPU instead of run)."""
-    from fractus.bench import aot
+    from fractus.verify import aot
     from fractus.kernels import backend as B
     from fractus.kernels import kuramoto as K
 

@@ -3,7 +3,7 @@
 ``"auto"`` runs Triton on CUDA tensors and the fast PyTorch path on CPU tensors.
 ``"triton"`` on CPU tensors runs Triton's interpreter; it needs ``TRITON_INTERPRET=1``
 in the environment before :mod:`triton` is first imported (``tests/conftest.py`` sets it), and
-computes bf16 and tf32 there as a GPU does (:mod:`.interpret`).
+computes bf16 and tf32 there as a GPU does (:mod:`fractus.verify.interpret`).
 ``"torch"`` and ``"reference"`` force the PyTorch paths.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def pick(backend: str, x: torch.Tensor) -> str:
     if backend == "auto":
         return "triton" if x.is_cuda else "torch"
     if backend == "triton" and not x.is_cuda:
-        from . import interpret  # imports Triton's interpreter: only when it runs
+        from fractus.verify import interpret  # imports Triton's interpreter: only when it runs
         interpret.install()
     return backend
 

@@ -1,7 +1,7 @@
 """Offsets past 2³¹ elements: every Triton kernel's integer arithmetic at sizes whose element offsets
 leave int32, where a GPU wraps an int32 offset silently (a wrong address, read or written). The
 interpreter runs each launch's last programs only (the largest offsets) in
-:func:`fractus.kernels.interpret.address_check`, which raises on int32 overflow; the buffers come
+:func:`fractus.verify.interpret.address_check`, which raises on int32 overflow; the buffers come
 from ``torch.empty`` unpoisoned, so their untouched pages cost no memory (tens of GiB of address
 space, well under 1 GiB resident). What is checked is that no launch raises, not the values: the
 programs that did not run left the outputs unwritten."""
@@ -11,13 +11,14 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import InterpreterError
 
-from fractus.kernels import backend, interpret
+from fractus.kernels import backend
 from fractus.kernels import cross_entropy as ce_mod
 from fractus.kernels.cross_entropy import linear_cross_entropy
 from fractus.kernels.kuramoto import kuramoto_phase
 from fractus.kernels.linear_attention import linear_attention
 from fractus.kernels.moe import _block_m, _Route, moe
-from test_moe import make_experts
+from fractus.verify import interpret
+from util import make_experts
 
 # the programs that did not run leave garbage (an uninitialised lse, say) that later ones compute on
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -6,22 +6,9 @@ import torch
 
 from fractus.kernels import moe as moe_mod
 from fractus.kernels.moe import _Route, moe, moe_reference
-from util import LOWP, Launches, assert_lowp, assert_rel, lowp_tol, pinned
-
-D, FF = 48, 80  # not multiples of the blocks
-
-
-def make_experts(E, d=D, F=FF, r=16, lowrank=True, dtype=torch.float32):
-    """Random experts of either kind, as leaf tensors that require grad."""
-    if lowrank:
-        ex = dict(V1=torch.randn(E, d, r) / d ** 0.5, U1=torch.randn(E, F, r) / r ** 0.5,
-                  b1=0.1 * torch.randn(E, F), s1=0.5 + torch.rand(E),
-                  V2=torch.randn(E, F, r) / F ** 0.5, U2=torch.randn(E, d, r) / r ** 0.5,
-                  b2=0.1 * torch.randn(E, d), s2=0.5 + torch.rand(E))
-    else:
-        ex = dict(W1=torch.randn(E, d, F) / d ** 0.5, b1=0.1 * torch.randn(E, F),
-                  W2=torch.randn(E, F, d) / F ** 0.5, b2=0.1 * torch.randn(E, d))
-    return {k: v.to(dtype).requires_grad_() for k, v in ex.items()}
+from util import LOWP, Launches, assert_lowp, assert_rel, lowp_tol, make_experts, pinned
+from util import MOE_D as D
+from util import MOE_FF as FF
 
 
 def make_inputs(N, E, K, d=D, route="random", dtype=torch.float32):

@@ -10,7 +10,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pandas as pd
 
-from fractus.bench import aot
+from fractus.verify import aot
 
 OPS = ("linear_attention", "moe", "cross_entropy", "kuramoto")
 
@@ -52,7 +52,7 @@ def test_precompile_fills_the_cache_later_compiles_hit(tmp_path):
     cache; compiling the same launches afterwards adds nothing to it (every one a cache hit)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    code = ("from pathlib import Path; from fractus.bench import aot\n"
+    code = ("from pathlib import Path; from fractus.verify import aot\n"
             "rows = aot.precompile(2, ops=('kuramoto',), presets=(), arch=90)\n"
             "n = len(list(Path(r'%s').rglob('*.cubin')))\n"
             "aot.compile_rows(90, ops=('kuramoto',))\n"
@@ -70,7 +70,7 @@ def test_specialisations_follow_heuristics_and_pruned_autotune_configs():
     import torch
     import triton
     import triton.language as tl
-    from fractus.bench import aot
+    from fractus.verify import aot
 
     @triton.heuristics({"HAS_B": lambda a: a["b_ptr"] is not None})
     @triton.autotune([triton.Config({"BLOCK": b}, num_warps=w) for b in (16, 32, 64) for w in (2, 4)], key=["n"],
@@ -94,7 +94,7 @@ def test_fla_launches_are_captured_and_compile_for_sm90():
     the suite times it (forward and backward), are captured through fla's wrappers, and each
     compiles for sm_90 (first autotune config)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("from fractus.bench import aot\n"
+    code = ("from fractus.verify import aot\n"
             "from triton.runtime.driver import driver\n"
             "L = aot.launches(ops=(), presets=(), extras=('fla',))\n"
             "driver.set_active(aot._offline_driver(90))\n"
@@ -116,7 +116,7 @@ def test_captured_launches_keep_stand_ins_that_compile_as_their_tensors():
     code = """
 import gc, weakref
 import torch
-from fractus.bench import aot
+from fractus.verify import aot
 from fractus.kernels import backend, linear_attention as la
 from fractus.model import level_omegas
 
@@ -154,7 +154,7 @@ def test_distinct_compiles_drops_only_launches_that_compile_alike(tmp_path):
 import torch
 import triton
 import triton.language as tl
-from fractus.bench import aot
+from fractus.verify import aot
 
 @triton.jit
 def toy_kernel(x_ptr, n, BLOCK: tl.constexpr):
@@ -189,12 +189,13 @@ def test_precompile_covers_what_the_suite_stages_launch():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = """
 import torch
-from fractus.bench import aot, levers, profile, train
-from fractus.bench import cross_entropy as ce, linear_attention as la, moe
-from fractus.bench.gpu import GEN_PROMPT, kuramoto_rows, model_runs, train_recipe
+from fractus.bench import cross_entropy as ce, levers, linear_attention as la, moe, profile, throughput
+from fractus.verify import aot
+from fractus.bench.cases import GEN_PROMPT
+from fractus.bench.gpu import kuramoto_rows, model_runs, train_recipe
 from fractus.model import FractusConfig, FractusCTE, level_omegas
-steps = train.micro_steps
-train.micro_steps = lambda *a, **k: (*steps(*a, **k)[:3], True)  # captured kernels leave garbage
+steps = throughput.micro_steps
+throughput.micro_steps = lambda *a, **k: (*steps(*a, **k)[:3], True)  # captured kernels leave garbage
 
 def keys(launches):
     return {aot.compile_key(L, fn, kw): L.name for L, fn, kw in aot._compiles(launches)}
@@ -227,7 +228,7 @@ def timings():  # the Triton launches of each kernel's gpu_rows (the baselines l
 pre = keys(aot.launches(presets=model_runs(), extras=("bwd64",)))
 plan = levers.gpu_plan(cuda=True)
 kw = dict(min_tokens=0, min_steps=1, warmup=1, device="cpu", backend="triton")
-needed = {**stage(lambda: train.measure_training("palier0", **train_recipe("palier0", 128, 64).trainer_kwargs(),
+needed = {**stage(lambda: throughput.measure_training("palier0", **train_recipe("palier0", 128, 64).trainer_kwargs(),
                                                    steps=1, warmup=1, device="cpu", bf16=True, backend="triton")),
           **stage(generate), **stage(timings),
           **stage(lambda: kuramoto_rows(torch.device("cpu"), False, timing=False))}
@@ -255,7 +256,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from fractus.bench import aot
+from fractus.verify import aot
 
 def captured(fast):
     out = []
@@ -293,7 +294,7 @@ def test_the_offsets_checks_precompile_at_sizes_specialised_alike():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = """
 import torch
-from fractus.bench import aot, offsets
+from fractus.verify import aot, offsets
 from fractus.kernels import backend, linear_attention as la
 from fractus.model import level_omegas
 names = {L.name for L in aot.launches(ops=(), extras=("offsets",))}
@@ -319,7 +320,7 @@ assert keys(16, lambda *s: torch.randn(*s).bfloat16()) != small
 def test_precompile_stops_workers_that_outlive_its_timeout():
     """A stuck worker must not hold the GPU suite: after ``timeout_s`` the workers are stopped, a
     row says so, and the process goes on (and exits)."""
-    code = ("import time; from fractus.bench import aot\n"
+    code = ("import time; from fractus.verify import aot\n"
             "t = time.time(); rows = aot.precompile(2, ops=('kuramoto',), presets=(), arch=90, timeout_s=0.5)\n"
             "print(len(rows), sum(r['errors'] == 'stopped after 0 s' for r in rows), round(time.time() - t))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

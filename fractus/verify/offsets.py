@@ -4,7 +4,7 @@ Each op runs once on inputs whose element offsets leave int32 (a GPU wraps an in
 silently); its outputs and per-row gradients at the end of the buffers (the largest offsets) are
 checked against the reference run on those rows alone (fp64; the cross-entropy's and the MoE's
 in fp32, their references' own precision) by the low-precision rule: error ≤ the same-dtype
-PyTorch path's on those rows + 1e-2 (bf16). ``tests/test_offsets.py`` checks the kernels'
+PyTorch path's on those rows + 1e-2 (bf16). ``tests/verify/test_offsets.py`` checks the kernels'
 integer arithmetic for such wraps in the interpreter; this checks what the GPU's compiler made of
 it. Gradients that sum over every row (level and expert weights) are not checked. The dry run
 takes the same code paths at tiny sizes (nothing there passes 2³¹), and the suite's precompile

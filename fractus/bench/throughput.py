@@ -102,7 +102,7 @@ def cpu_rows(smoke: bool = False, runs: int = 3) -> list[dict]:
                 kw.update(d_model=64, n_heads=1, n_layers=1, expert_d_ff=64, vocab_size=min(vocab, 1024))
             lv = dict(levers)
             hp = lv.pop("head_positions", "all")
-            out.append(in_fresh_process("fractus.bench.train:measure_training", preset=preset,
+            out.append(in_fresh_process("fractus.bench.throughput:measure_training", preset=preset,
                                         steps=1 if smoke else 7, accum=2 if smoke else 8, head_positions=hp,
                                         **kw, **lv))
     end = cpu_ceilings(n=n)["matmul_flops"] / 1e9

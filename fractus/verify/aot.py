@@ -189,7 +189,7 @@ def _run_cross_entropy(dtype):
 def _run_kuramoto(dtype):
     if dtype != torch.float32:  # the clock always runs in fp32, whatever the model's dtype
         return
-    from fractus.bench.gpu import kuramoto_case
+    from fractus.bench.cases import kuramoto_case
     from fractus.kernels.kuramoto import kuramoto_phase
     for grad in (True, False):  # training (forward and backward) and a decode step (no graph)
         args, dy = kuramoto_case(torch.device("cpu"), small=not grad)
@@ -224,9 +224,9 @@ def _run_bwd64():
 
 
 def _run_offsets():
-    """The suite's checks at offsets past 2³¹ elements (:mod:`fractus.bench.offsets`) at sizes
+    """The suite's checks at offsets past 2³¹ elements (:mod:`fractus.verify.offsets`) at sizes
     that Triton specialises as the full ones."""
-    from fractus.bench import offsets
+    from fractus.verify import offsets
     offsets.run_cases("cpu", "capture")
 
 
@@ -234,7 +234,7 @@ def _run_offsets():
 # module of the module's package is captured. The baselines it times side by side (when installed),
 # the attention's chunk-64 backward variant and the checks at offsets past 2³¹ elements.
 EXTRAS = {"fla": ("fla.ops.linear_attn", _run_fla), "bwd64": ("fractus.kernels.linear_attention", _run_bwd64),
-          "offsets": ("fractus.bench.offsets", _run_offsets)}
+          "offsets": ("fractus.verify.offsets", _run_offsets)}
 PRESETS = ("palier0", "palier1", "palier2", "palier3", "1b")
 
 
@@ -245,7 +245,7 @@ def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int 
     weight gradients), under bf16 autocast (``bf16``), then a decode step: what training and
     generation launch (defaults: the GPU suite's setting, 8 streams × 128 tokens, every position
     scored). ``steps=0``: generation as the GPU suite times it instead. ``overrides`` go to the config."""
-    from fractus.bench.gpu import GEN_PROMPT
+    from fractus.bench.cases import GEN_PROMPT
     from fractus.model import FractusConfig, FractusCTE
     from fractus.train import autocast, micro_steps, set_active_blocks
     cfg = FractusConfig.preset(preset, chunk_len=chunk_len, backend="triton", **overrides)

@@ -1,4 +1,4 @@
-"""The interpreter as :mod:`fractus.kernels.interpret` makes it (installed by conftest): tf32 dots read
+"""The interpreter as :mod:`fractus.verify.interpret` makes it (installed by conftest): tf32 dots read
 fp32 operands as a GPU's tensor cores do (10 mantissa bits, the low 13 truncated), IEEE dots and
 half-precision operands stay exact; bf16 is rounded to nearest-even as a GPU's conversions do and
 computed on by value (the plain interpreter computes on its bits and truncates)."""
@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fractus.kernels import backend, interpret
+from fractus.kernels import backend
+from fractus.verify import interpret
 
 
 @triton.jit

@@ -2,13 +2,13 @@
 import json
 import re
 import tomllib
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
 from fractus.bench.gpu import KERNELS, run_suite
+from util import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
     monkeypatch.setenv("FRACTUS_SMOKE", "1")
     monkeypatch.setenv("FRACTUS_GPU_RESULTS", str(gpu_dir))
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # their smoke results apart from nbval's runs of them (pytest -n)
-    notebooks = Path(__file__).resolve().parents[1] / "notebooks"
+    notebooks = ROOT / "notebooks"
     for path in sorted(notebooks.glob("0[1-4]_*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         NotebookClient(nb, timeout=600, resources={"metadata": {"path": str(notebooks)}}).execute()
@@ -290,11 +290,10 @@ def test_nvidia_driver_version_from_nvidia_smi(tmp_path, monkeypatch):
 def test_gpu_wheels_carry_the_bench_baselines_and_the_pinned_runtime_dependencies():
     """The GPU machine has no network: every pinned pure-Python dependency and every baseline
     must be among the wheels `make gpu-wheels` downloads."""
-    root = Path(__file__).resolve().parents[1]
-    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pinned = {d for d in project["dependencies"] if re.fullmatch(r"[\w.-]+==[\w.]+", d)}
     pinned |= set(project["optional-dependencies"]["bench"])
-    wheels = set(re.search(r"^GPU_WHEELS \?= (.+)$", (root / "Makefile").read_text(), re.M).group(1).split())
+    wheels = set(re.search(r"^GPU_WHEELS \?= (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split())
     assert pinned <= wheels, pinned - wheels
 
 
@@ -318,7 +317,7 @@ def test_a_failing_moe_implementation_keeps_the_others_rows(monkeypatch):
 
 
 def test_an_offsets_case_that_fails_keeps_the_others_rows(monkeypatch):
-    from fractus.bench import offsets
+    from fractus.verify import offsets
 
     def fail(device, scale, gen):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")

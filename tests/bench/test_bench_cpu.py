@@ -7,7 +7,7 @@ import sys
 
 import pandas as pd
 
-from test_train import ROOT
+from util import ROOT
 
 MEASURED = {"linear_attention": "time_s", "moe": "time_s", "cross_entropy": "time_s", "train": "tok_s"}
 
