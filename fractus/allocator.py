@@ -4,10 +4,10 @@ PyTorch's CPU tensors come from malloc. glibc serves blocks above its mmap thres
 mmap'd pages and hands freed heap memory back to the kernel above its trim threshold; either way
 the next step's tensors of that size page-fault anew and the kernel zeroes every page. A training
 step allocates the same sizes every time (the cross-entropy chunk, the [V, d] head gradient, the
-attention chunk states). On this project's 2-core machine a palier0 step at vocabulary 50257 took
-188,000 page faults (770 MB of pages zeroed by the kernel) with glibc's defaults and about one
-with these settings: 15–25 % more tokens/s; long attention sequences stopped being superlinear
-in T. Raising both thresholds keeps those blocks in the heap. It is what the environment variables
+attention chunk states). On a 2-core CPU a palier0 step at vocabulary 50257 takes about 188,000
+page faults (770 MB of pages zeroed by the kernel) with glibc's defaults and about one with these
+settings, for 15–25 % more tokens/s, and long attention sequences cost linearly in T. Raising both
+thresholds keeps those blocks in the heap. It is what the environment variables
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` (or tcmalloc/jemalloc via ``LD_PRELOAD``)
 do, applied from Python by the trainer and the benchmarks.
 """

@@ -12,7 +12,7 @@ def model():
 
 def test_an_empty_batch_gives_empty_logits_and_an_empty_state(model, one_thread):
     """[0, T] ids: logits [0, T, V] and the state of a batch of 0 streams (init_state(0)'s shapes),
-    which a next chunk carries on (was a reshape RuntimeError)."""
+    which a next chunk carries on (not a reshape RuntimeError)."""
     c = model.cfg
     with torch.no_grad():
         logits, parts, state = model(torch.zeros(0, 4, dtype=torch.long))
@@ -40,7 +40,7 @@ def test_a_top_k_that_is_not_an_integer_is_a_value_error(model, one_thread, top_
 
 
 def test_a_max_new_tokens_that_is_not_an_integer_is_a_value_error(model, one_thread):
-    """Was a TypeError from range() (found beside top_k; same kind of input)."""
+    """A ValueError, not a TypeError from range() (the same kind of input as top_k)."""
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate([1], 2.5)
 

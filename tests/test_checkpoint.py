@@ -52,7 +52,7 @@ def test_torch_save_writes_crcs_and_damaged_bytes_are_refused(ckpt, tmp_path):
     with pytest.raises(CheckpointError, match=f"{UNREADABLE} .*member .*data/0 fails its CRC-32"):
         load_checkpoint(bad)
     offset, size = member_data(ckpt, "data.pkl")
-    bad.write_bytes(data[:offset + 10] + b"\0" * 8 + data[offset + 18:])  # was "could run code"
+    bad.write_bytes(data[:offset + 10] + b"\0" * 8 + data[offset + 18:])  # not "could run code"
     with pytest.raises(CheckpointError, match=f"{UNREADABLE} .*data.pkl"):
         load_checkpoint(bad)
 
@@ -82,7 +82,7 @@ def test_intact_file_with_code_is_refused_as_unsafe(tmp_path):
 @pytest.mark.parametrize("content", ["text", "random", "tokens"])
 def test_files_that_are_no_zip_archive_are_not_checkpoints(tmp_path, content):
     bad = {"text": b"step,tokens\n1,128\n", "random": random.Random(0).randbytes(4096),
-           "tokens": bytes(range(256)) * 8}[content]  # a train.bin: was "could run code"
+           "tokens": bytes(range(256)) * 8}[content]  # a train.bin: not "could run code"
     (tmp_path / "bad.pt").write_bytes(bad)
     with pytest.raises(CheckpointError, match=rf"{UNREADABLE} \(not a zip archive written by torch.save\)$") as e:
         load_checkpoint(tmp_path / "bad.pt")
@@ -165,7 +165,7 @@ def test_clis_name_bad_devices_and_non_finite_weights(data, tmp_path, capsys):
     if not torch.cuda.is_available():
         bad["cuda"] = "'cuda' is not available"
     for main, args in ((evaluate_main, ["--data", str(data)]), (sample_main, ["--tokens", "2"])):
-        for device, msg in bad.items():  # was "damaged, truncated or not a checkpoint"
+        for device, msg in bad.items():  # not "damaged, truncated or not a checkpoint"
             with pytest.raises(SystemExit) as e:
                 main([str(tmp_path / "ok.pt"), *args, "--device", device])
             assert e.value.code == 2 and f"argument --device: {msg}" in capsys.readouterr().err

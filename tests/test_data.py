@@ -94,7 +94,7 @@ def test_prepare_refuses_prepared_data_unless_forced(tmp_path, capsys):
     main(["prepare", "--input", str(tmp_path / "b.txt"), "--out", str(out), "--vocab", "512", "--force"])
     assert load_meta(out)["source"] == str(tmp_path / "b.txt")
     (tmp_path / "f.txt").write_text("a file, not a folder\n")
-    with pytest.raises(SystemExit) as e:  # NotADirectoryError: was a traceback
+    with pytest.raises(SystemExit) as e:  # NotADirectoryError: a message, not a traceback
         main(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "f.txt" / "d")])
     assert e.value.code == 2 and capsys.readouterr().err.startswith("error: ")
 
@@ -146,7 +146,7 @@ def test_token_files_of_the_wrong_size_are_named(tmp_path):
     (tmp_path / "c.txt").write_text("line one\n" * 200)
     n = prepare(str(tmp_path / "c.txt"), tmp_path / "out", vocab_size=512)["train"]["tokens"]
     with open(tmp_path / "out" / "train.bin", "ab") as f:
-        f.write(b"\0")  # half a token: was numpy's "not a multiple of the data-type size"
+        f.write(b"\0")  # half a token: not numpy's "not a multiple of the data-type size"
     with pytest.raises(ValueError, match=f"train.bin holds {2 * n + 1:,} bytes but meta.json says {n:,} tokens "
                                          "of 2 bytes.*prepare it again"):
         load_tokens(tmp_path / "out", "train")
@@ -195,7 +195,7 @@ def test_a_vocab_size_that_is_not_the_datas_is_refused(tmp_path):
 
 def test_a_full_disk_names_the_file_and_its_cause(tmp_path, capsys, monkeypatch):
     """Every file prepare writes goes to /dev/full (writes fail with ENOSPC): the error names the
-    file and the cause (was numpy's "1080002 requested and 512000 written"), and nothing is left."""
+    file and the cause (not numpy's "1080002 requested and 512000 written"), and nothing is left."""
     import fractus.atomic
 
     def full_disk(fd, mode, **kwargs):

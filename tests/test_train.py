@@ -314,7 +314,7 @@ MANGLED = [  # (field, value or "delete", what the error says)
 
 def test_resume_names_a_missing_or_mangled_training_state_field(data, tmp_path, capsys, monkeypatch):
     """Each field of the training state that is missing or not what the trainer writes: exit code 2
-    and an error naming the field and what it must be (was a KeyError, TypeError or IndexError, or a
+    and an error naming the field and what it must be (not a KeyError, TypeError or IndexError, nor a
     failure in the optimizer's step); nothing is written. `records` refuses such a checkpoint too."""
     out = tmp_path / "run"
     train(cli(data, out, "--eval-every", "0", "--stop-after", "2", tokens=3 * 32))
@@ -329,11 +329,11 @@ def test_resume_names_a_missing_or_mangled_training_state_field(data, tmp_path, 
         assert e.value.code == 2 and f"error: {out / 'ckpt.pt'}" in err and msg in err, (field, err)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files
     save_checkpoint(out / "ckpt.pt", mangled(ck, "args/tokens", "many"))
-    with pytest.raises(SystemExit) as e:  # was a TypeError
+    with pytest.raises(SystemExit) as e:  # not a TypeError
         records.main([str(out), "--out", str(tmp_path / "t.csv")])
     assert e.value.code == 2 and "'args' entry 'tokens' must be an integer ≥ 1" in capsys.readouterr().err
     FractusCTE(FractusConfig.preset("tiny")).save(out / "ckpt.pt")
-    with pytest.raises(SystemExit) as e:  # was a KeyError
+    with pytest.raises(SystemExit) as e:  # not a KeyError
         records.main([str(out), "--out", str(tmp_path / "t.csv")])
     assert e.value.code == 2 and "holds a model but no training state" in capsys.readouterr().err
 
@@ -459,7 +459,7 @@ def test_bad_arguments(data, tmp_path, capsys):
              (["--set", "n_layers"], "--set expects KEY=VALUE, got 'n_layers'"),
              (["--active-blocks", "3"], "--active-blocks must be ≤ n_layers"),
              (["--lr", "inf"], f"argument --lr: {RATE}, got inf"),
-             (["--optimizer", "sgd", "--lr", "1e39"], f"argument --lr: {RATE}, got 1e39"),  # was torch's overflow
+             (["--optimizer", "sgd", "--lr", "1e39"], f"argument --lr: {RATE}, got 1e39"),  # not torch's overflow
              (["--optimizer", "rmsprop", "--lr", "1e300"], f"argument --lr: {RATE}, got 1e300"),
              (["--weight-decay", "1e39"], f"argument --weight-decay: {RATE}, got 1e39"),
              (["--min-lr-ratio", "5"], "argument --min-lr-ratio: must be finite and ≥ 0 and ≤ 1, got 5"),
@@ -481,7 +481,7 @@ def test_bad_arguments(data, tmp_path, capsys):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw", "rmsprop"])
 def test_the_largest_rates_overflow_no_optimizer(data, tmp_path, capsys, optimizer):
     """--lr and --weight-decay at their bound: the weights or the loss may overflow (a clear error),
-    but no factor the optimizer derives from them does (was torch's "cannot be converted to type float")."""
+    but no factor the optimizer derives from them does (torch's "cannot be converted to type float")."""
     try:
         main(cli(data, tmp_path / "run", "--optimizer", optimizer, "--lr", "1e6", "--weight-decay", "1e6",
                  "--warmup", "0", "--eval-every", "0", "--max-nan", "1", tokens=2 * 32))
@@ -572,8 +572,8 @@ def test_resume_refuses_a_lost_or_damaged_metrics_record(data, tmp_path, capsys)
 
 def test_resume_from_another_working_directory(data, tmp_path, monkeypatch):
     """The checkpoint records the data directory as an absolute path: a resume from elsewhere,
-    naming it otherwise, continues; an earlier trainer's relative path is matched on the data's
-    identity."""
+    naming it otherwise, continues; a checkpoint that records a relative path is matched on the
+    data's identity."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(tmp_path / "a")
@@ -585,7 +585,7 @@ def test_resume_from_another_working_directory(data, tmp_path, monkeypatch):
     out = tmp_path / "a" / "run"
     train(cli(data, out, "--eval-every", "0", "--resume", "--stop-after", "1", tokens=3 * 32))
     ck = load_checkpoint(out / "ckpt.pt")
-    save_checkpoint(out / "ckpt.pt", {**ck, "args": {**ck["args"], "data": relative}})  # as earlier trainers wrote it
+    save_checkpoint(out / "ckpt.pt", {**ck, "args": {**ck["args"], "data": relative}})  # a relative path
     train(cli(data, out, "--eval-every", "0", "--resume", tokens=3 * 32))
     assert load_checkpoint(out / "ckpt.pt")["step"] == 3
 

@@ -369,8 +369,8 @@ def _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s,
 
 
 RESULT_FILE = ".stages.json"  # what a fresh process of run_stages hands back
-LAST_STAGE_S = 45  # what a stage started just before the budget ran out may take (the README's
-# device command stops the suite 80 s after its --budget-s; the process starts up to ~20 s before t_start)
+LAST_STAGE_S = 45  # what a stage started just before the budget ran out may take (docs/benchmarks.md's
+# command stops the suite 80 s after its --budget-s; the process starts up to ~20 s before t_start)
 STOP_GRACE_S = 10  # a fresh process told to stop (SIGTERM) has this long to hand back its results
 
 

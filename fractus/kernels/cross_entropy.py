@@ -97,7 +97,7 @@ _CHUNK_ELEMS = 1 << 24  # logits elements per chunk (64 MiB fp32)
 
 def _chunk_rows(V: int) -> int:
     """Token rows per chunk: about _CHUNK_ELEMS logits, 16 to 1024 rows. Big chunks make big
-    matmuls: in palier0 training on the 2-core CPU one chunk per micro-step (256 rows) beat
+    matmuls: in palier0 training on a 2-core CPU one chunk per micro-step (256 rows) beats
     chunks of 64 and 128 rows by 5–20 % at V = 8192 and 50257."""
     return max(16, min(1024, _CHUNK_ELEMS // V))
 

@@ -242,8 +242,8 @@ def _kuramoto_bwd_kernel(THETAS, XY, G_PSI, OMEGA, K_ptr, DTHETA0, DOMEGA_P, DK_
 
 
 # Rows per program and warps: compiled for sm_90 (python -m fractus.bench aot), 16 rows on 8 warps
-# spill least in the backward (640 B; before its offsets became 64-bit, 608 B against 3.6 KB for
-# 32 rows on 4 warps), which keeps ∂K's dots on chip.
+# spill least in the backward (hundreds of bytes per thread, where 32 rows on 4 warps spill
+# kilobytes), which keeps ∂K's dots on chip.
 _BLOCK_M = 16
 
 

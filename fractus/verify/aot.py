@@ -319,7 +319,7 @@ class Fp32Matmuls(TorchFunctionMode):
     operands rounded to bf16, multiplies them in fp32 and rounds the result to bf16, as a GPU's
     bf16 GEMM accumulates: the same dtype and layout, and so the same kernel launches after it
     (not the same ATen ops: it adds casts). For captures: a CPU without bf16 units (AVX2)
-    multiplies bf16 about 130× slower than fp32 (a palier2 training capture spent 40 s of its 41
+    multiplies bf16 about 130× slower than fp32 (without it a palier2 training capture spends 40 s of 41
     in ``mm``)."""
 
     FUNCS = {torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.Tensor.__matmul__,

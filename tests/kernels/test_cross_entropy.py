@@ -174,8 +174,8 @@ def test_bad_shapes_reduction_and_positions(path):
 
 @pytest.mark.parametrize("path", ["torch", "triton", "reference"])
 def test_non_integer_targets_or_positions(path):
-    """A bool mask as positions, or float targets, is refused on every path (the Triton path
-    used to read a mask as indices 0/1)."""
+    """A bool mask as positions, or float targets, is refused on every path (read as indices,
+    a mask would score positions 0 and 1)."""
     h, w, t = _inputs(8, 127, 48)
     for kw, msg in (({"positions": t > 60}, "positions must hold integer token indices, got torch.bool"),
                     ({"targets": t.float()}, "targets must hold integer token indices, got torch.float32")):

@@ -1,6 +1,6 @@
 """A second derivative through a kernel (a gradient penalty, a Hessian-vector product) is either
 right or refused: paths whose backward is a hand-written autograd Function raise
-(``backend.first_order_only``) instead of treating that backward as a constant, which gave wrong
+(``backend.first_order_only``) instead of treating that backward as a constant, which gives wrong
 second derivatives (relative errors 0.2–1). Plain-autograd paths must equal the reference."""
 import pytest
 import torch
