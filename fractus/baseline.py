@@ -20,13 +20,14 @@ import torch.nn.functional as F
 
 from fractus.kernels.backend import BACKENDS
 from fractus.kernels.cross_entropy import linear_cross_entropy
+from fractus.model import sample
 
 
 @dataclass
 class GPTConfig:
     vocab_size: int = 8192
     d_model: int = 128
-    n_heads: int = 4
+    n_heads: int = 2
     n_layers: int = 2
     context: int = 128  # positions of the learned position table: the longest chunk it reads
     mlp_ratio: int = 4
@@ -145,7 +146,7 @@ class GPT(nn.Module):
         return None, parts, None
 
     def save(self, path, **extra) -> None:
-        """Write config + weights (+ ``extra`` entries) atomically; :func:`fractus.model.load_model` reads it."""
+        """Write config + weights (+ ``extra`` entries) atomically; :func:`fractus.registry.load_model` reads it."""
         from fractus.checkpoint import save_checkpoint
         save_checkpoint(path, {"arch": "gpt", "config": self.cfg.to_dict(), "model": self.state_dict(), **extra})
 
@@ -153,7 +154,6 @@ class GPT(nn.Module):
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, repetition_penalty: float = 1.0, seed: int | None = None) -> list[int]:
         """As :meth:`fractus.model.FractusCTE.generate`, reading the last ``context`` tokens at each step."""
-        from fractus.model import sample
         ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=self.embed.weight.device)
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError("generate takes one non-empty sequence of token ids")

@@ -20,7 +20,7 @@ from fractus.checkpoint import CheckpointError
 from fractus.cli import device_name, positive_int
 from fractus.data import load_meta, load_tokens
 from fractus.kernels.backend import BACKENDS
-from fractus.model import load_model
+from fractus.registry import load_model
 from fractus.records import append_csv, csv_rows, provenance
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import evaluate

@@ -63,9 +63,9 @@ from fractus.model import FractusConfig, FractusCTE, farey_phases
 
 # Config fields that growth keeps, and those that may only grow.
 FIXED = ("vocab_size", "n_levels", "top_k", "router", "tie_head", "kuramoto_steps", "kuramoto_dt",
-         "kuramoto_damping", "gate_tau", "eps")
+         "kuramoto_damping", "gate_tau", "eps", "attn_norm", "attn_gate", "short_conv", "qk_norm", "eot_reset")
 GROWN = ("d_model", "n_heads", "n_layers", "n_experts", "expert_d_ff", "expert_rank",
-         "n_oscillators", "coupling_rank")
+         "n_oscillators", "coupling_rank", "shared_expert")
 GATE_MARGIN = 0.5  # logits by which a new expert stays below every old token's k-th expert
 PSI_GRID = 4096  # routing angles on which the phase router's bound is evaluated
 
@@ -82,10 +82,17 @@ def check_growable(src: FractusConfig, dst: FractusConfig) -> None:
         errors.append("dense (expert_rank=0) and low-rank experts cannot be converted into each other")
     if dst.n_oscillators % src.n_oscillators:
         errors.append(f"n_oscillators {src.n_oscillators} → {dst.n_oscillators}: must grow by a whole factor")
-    if dst.decays[:src.n_heads] != src.decays:
-        errors.append(f"attn_decay of the old heads {src.decays} → {dst.decays[:src.n_heads]} must stay")
+    old, new = decay_matrix(src), decay_matrix(dst)
+    if any(n[:src.n_heads] != o for o, n in zip(old, new)):
+        errors.append(f"attn_decay of the old heads {old} → {[n[:src.n_heads] for n in new]} (per level) must stay")
     if errors:
         raise ValueError("cannot grow this model into the target config: " + "; ".join(errors))
+
+
+def decay_matrix(cfg: FractusConfig) -> list[tuple[float, ...]]:
+    """γ per level, per head: [Lv][H]."""
+    g, H = cfg.decays, cfg.n_heads
+    return [g[l * H:(l + 1) * H] if len(g) > H else g for l in range(cfg.n_levels)]
 
 
 def _lead(t: torch.Tensor, shape) -> torch.Tensor:
@@ -170,6 +177,14 @@ def _grow_block(new, old, src: FractusConfig, cfg: FractusConfig, c: float) -> N
     for p in range(3):
         a.qkv.weight[p * d2:p * d2 + d, :d].copy_(b.qkv.weight[p * d:(p + 1) * d])
         a.qkv.bias[p * d2:p * d2 + d].copy_(b.qkv.bias[p * d:(p + 1) * d])
+    if a.conv is not None:  # per channel of q, k, v: old heads' channels keep their filters
+        for p in range(3):
+            a.conv.weight[:, p * d2:p * d2 + d].copy_(b.conv.weight[:, p * d:(p + 1) * d])
+    if a.norm is not None:
+        a.norm[:src.n_heads].copy_(b.norm)
+    if a.gate is not None:  # old heads' channels read the old columns; new heads are silent anyway
+        _copy(a.gate.weight, b.gate.weight)
+        _copy(a.gate.bias, b.gate.bias)
     a.out.weight.copy_(_writer(_padded(b.out.weight, (d, d2)), 0, d2, c))
     a.out.bias.copy_(_writer(b.out.bias, 0, d2, c))
     a.level_logits.copy_(b.level_logits)
@@ -216,6 +231,16 @@ def _grow_block(new, old, src: FractusConfig, cfg: FractusConfig, c: float) -> N
         e.W2[:E].copy_(_writer(_padded(f.W2, (E, cfg.expert_d_ff, d)), 2, d2, c))
         _copy(e.b1, f.b1)
     e.b2[:E].copy_(_writer(f.b2, 1, d2, c))
+    if e.shared is not None:  # new hidden units do not reach the output; a new shared expert adds nothing
+        w_out, b_out = e.shared[2].weight, e.shared[2].bias
+        if f.shared is None:
+            w_out.zero_()
+            b_out.zero_()
+        else:
+            _copy(e.shared[0].weight, f.shared[0].weight)
+            _copy(e.shared[0].bias, f.shared[0].bias)
+            w_out.copy_(_writer(_padded(f.shared[2].weight, (d, cfg.shared_expert)), 0, d2, c))
+            b_out.copy_(_writer(f.shared[2].bias, 0, d2, c))
     e.gate_bias[:E].copy_(f.gate_bias)
     if cfg.n_experts > E:
         e.gate_bias[E:].copy_(_new_expert_bias(e, E, cfg.top_k))
@@ -227,6 +252,9 @@ def _silence(block) -> None:
     block.attn.out.bias.zero_()
     (block.moe.U2 if block.moe.cfg.expert_rank > 0 else block.moe.W2).zero_()
     block.moe.b2.zero_()
+    if block.moe.shared is not None:
+        block.moe.shared[2].weight.zero_()
+        block.moe.shared[2].bias.zero_()
 
 
 @torch.no_grad()

@@ -1,10 +1,14 @@
-"""The Fractus CTE language model (see ``../shared/SPEC.md``, beside this repository, for the math).
+"""The Fractus CTE language model (the math: ``docs/model.md``).
 
 A stack of pre-norm blocks, each: multi-level causal linear attention with a carried state
-(S, z) per (level, head) → a Kuramoto phase clock integrated per token → phase-routed top-k
-sparse low-rank experts. Tied head behind a final LayerNorm. The only state that crosses
-positions is the attention state, so ``forward`` over a chunk and ``step`` token by token
-compute the same logits.
+per (level, head) → a Kuramoto phase clock integrated per token → phase-routed top-k sparse
+low-rank experts (beside a dense shared expert when ``shared_expert`` > 0). Tied head behind a
+final LayerNorm. The only state that crosses positions is each block's attention state (and its
+short convolution's last inputs), so ``forward`` over a chunk and ``step`` token by token compute
+the same logits.
+
+:class:`FractusConfig` holds the dimensions and the levers; :data:`RECIPE` is the default
+architecture, :data:`ORIGINAL` the original one (presets ``original-<name>``).
 
 Shapes: B streams, T positions, d = d_model, H heads of D, Lv levels, E experts, K = top_k.
 """
@@ -41,13 +45,14 @@ class FractusConfig:
     n_heads: int = 2
     n_layers: int = 2
     n_levels: int = 2
-    attn_decay: float | tuple[float, ...] | str = 1.0  # γ for every head, one per head, one per (level, head) or "multiscale"
+    # the levers (defaults: the recipe at palier0; ORIGINAL holds the original architecture's values)
+    attn_decay: float | tuple[float, ...] | str = "multiscale"  # γ: one for all, per head, per (level, head), "multiscale"
     attn_norm: str = "denominator"  # "denominator" (f(q)ᵀz) or "rms" (per-head RMSNorm of the numerator)
-    attn_gate: bool = False  # swish output gate: o ← o ⊙ silu(LN(h)·W_g)
-    short_conv: int = 0  # width of a causal depthwise convolution on q, k, v (0: none)
+    attn_gate: bool = True  # swish output gate: o ← o ⊙ silu(LN(h)·W_g)
+    short_conv: int = 4  # width of a causal depthwise convolution on q, k, v (0: none)
     qk_norm: bool = False  # RMS-normalise q and k per head before the feature map
     eot_reset: bool = False  # an end-of-text token (id vocab_size − 1) starts the state afresh
-    shared_expert: int = 0  # d_ff of a dense expert every token uses beside the routed ones (0: none)
+    shared_expert: int = 256  # d_ff of a dense expert every token uses beside the routed ones (0: none)
     expert_init_std: float = 0.02  # std of the experts' output factors (U2/W2) is this / √(2·n_layers)
     n_experts: int = 4
     top_k: int = 2
@@ -77,7 +82,8 @@ class FractusConfig:
             if not check(value):
                 errors.append(f"{name} must be {rule}, got {value!r}")
             elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # 1 → 1.0, numpy ints → int
-                setattr(self, name, type(getattr(FractusConfig, name))(value))
+                kind = type(getattr(FractusConfig, name))
+                setattr(self, name, kind(value) if kind in (int, float) else float(value))
         if errors:
             raise ValueError("bad config: " + "; ".join(errors))
         if self.attn_decay == "multiscale":
@@ -118,11 +124,14 @@ class FractusConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "FractusConfig":
+        """The config of ``d`` (a checkpoint's, a preset's); a lever ``d`` does not name takes the
+        original architecture's value (:data:`ORIGINAL`), so a config written before the levers
+        existed is read as the architecture it was trained as."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown config keys {sorted(map(str, unknown))}; the fields are {sorted(known)}")
-        return cls(**d)
+        return cls(**{**ORIGINAL, **d})
 
 
 def _finite(v, kind=numbers.Real) -> bool:
@@ -163,20 +172,36 @@ _FIELD_CHECKS = {  # field → (what it must be, check)
 }
 
 
-def _preset(d, h, layers, e, f, r, n_osc, k_rank, vocab):
+# The levers as the original architecture has them: one state with no decay (γ = 1), read through
+# the z-denominator, no output norm or gate, no convolution, no shared expert, a state that runs
+# across documents. Presets "original-<name>" are these at <name>'s dimensions.
+ORIGINAL = dict(attn_decay=1.0, attn_norm="denominator", attn_gate=False, short_conv=0, qk_norm=False,
+                eot_reset=False, shared_expert=0, expert_init_std=0.02)
+# The default: the levers the ablation keeps (notebooks/06_architecture.ipynb, results/architecture_cpu.csv),
+# with a shared expert of SHARED_EXPERT_RATIO·d_model (the values below are palier0's).
+RECIPE = {f.name: f.default for f in fields(FractusConfig) if f.name in ORIGINAL}
+SHARED_EXPERT_RATIO = 2
+
+# The dimensions of each size ("palier": a rung of the growth ladder, each one grown from the last).
+DIMS = {  # d_model, n_heads, n_layers, n_experts, expert_d_ff, expert_rank, n_oscillators, coupling_rank, vocab
+    "tiny": (32, 2, 2, 4, 32, 8, 4, 2, 512),
+    "palier0": (128, 2, 2, 4, 128, 32, 8, 4, 8192),
+    "palier1": (256, 4, 4, 8, 256, 32, 8, 4, 8192),
+    "palier2": (512, 8, 8, 16, 512, 64, 8, 4, 8192),
+    "palier3": (768, 12, 12, 32, 768, 64, 8, 4, 8192),
+    "1b": (1280, 20, 16, 128, 2048, 64, 16, 8, 50257),
+}
+
+
+def _dims(d, h, layers, e, f, r, n_osc, k_rank, vocab):
     return dict(d_model=d, n_heads=h, n_layers=layers, n_experts=e, expert_d_ff=f, expert_rank=r,
                 n_oscillators=n_osc, coupling_rank=k_rank, vocab_size=vocab, n_levels=2, top_k=2,
                 chunk_len=32)
 
 
-PRESETS = {
-    "tiny": _preset(32, 2, 2, 4, 32, 8, 4, 2, 512),
-    "palier0": _preset(128, 2, 2, 4, 128, 32, 8, 4, 8192),
-    "palier1": _preset(256, 4, 4, 8, 256, 32, 8, 4, 8192),
-    "palier2": _preset(512, 8, 8, 16, 512, 64, 8, 4, 8192),
-    "palier3": _preset(768, 12, 12, 32, 768, 64, 8, 4, 8192),
-    "1b": _preset(1280, 20, 16, 128, 2048, 64, 16, 8, 50257),
-}
+PRESETS = {**{name: {**_dims(*dims), **RECIPE, "shared_expert": SHARED_EXPERT_RATIO * dims[0]}
+              for name, dims in DIMS.items()},
+           **{f"original-{name}": {**_dims(*dims), **ORIGINAL} for name, dims in DIMS.items()}}
 
 
 MULTISCALE = (4.0, 2.0, 12.0)  # log2 of 1 − γ: first, step, last (see multiscale_decays)
@@ -625,32 +650,20 @@ class FractusCTE(nn.Module):
 
     @classmethod
     def load(cls, path, backend: str | None = None) -> "FractusCTE":
-        """The Fractus CTE of a checkpoint (see :func:`load_model`)."""
-        model = load_model(path, backend)
-        if not isinstance(model, cls):
-            raise ValueError(f"{path} holds a {type(model).__name__}, not a Fractus CTE")
+        """The model of a Fractus CTE checkpoint, on the CPU (``.to(device)`` moves it); ``backend``
+        replaces the kernels' backend it was saved with (a run setting, e.g. 'triton' from a GPU).
+        :func:`fractus.registry.load_model` reads any model's checkpoint."""
+        from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
+        ckpt = load_checkpoint(path)
+        if ckpt.get("arch", "cte") != "cte":
+            raise CheckpointError(f"{path} holds a {ckpt['arch']!r} model, not a Fractus CTE")
+        try:
+            cfg = FractusConfig.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})})
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
+        model = cls(cfg)
+        load_model_state(model, ckpt["model"], path)
         return model
-
-
-def load_model(path, backend: str | None = None) -> nn.Module:
-    """The model of a checkpoint, on the CPU (``.to(device)`` moves it): a :class:`FractusCTE`, or the
-    transformer baseline (:class:`fractus.baseline.GPT`) for a checkpoint whose ``arch`` is "gpt";
-    ``backend`` replaces the kernels' backend it was saved with (a run setting, e.g. 'triton' from a GPU)."""
-    from fractus.baseline import GPT, GPTConfig
-    from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
-    ckpt = load_checkpoint(path)
-    arch = ckpt.get("arch", "cte")
-    kinds = {"cte": (FractusCTE, FractusConfig), "gpt": (GPT, GPTConfig)}
-    if arch not in kinds:
-        raise CheckpointError(f"{path}: unknown model kind 'arch' {arch!r}; expected one of {sorted(kinds)}")
-    model_cls, cfg_cls = kinds[arch]
-    try:
-        cfg = cfg_cls.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})})
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
-    model = model_cls(cfg)
-    load_model_state(model, ckpt["model"], path)
-    return model
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

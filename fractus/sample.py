@@ -15,7 +15,8 @@ import torch
 from fractus.checkpoint import CheckpointError, check_finite
 from fractus.cli import device_name, natural, non_negative, number, positive_int
 from fractus.kernels.backend import BACKENDS
-from fractus.model import FractusCTE, load_model
+from fractus.model import FractusCTE
+from fractus.registry import load_model
 from fractus.tokenizer import get_tokenizer
 
 # The original's prompts; by default sampling (and the trainer, at the end of a run) takes the

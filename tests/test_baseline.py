@@ -5,7 +5,7 @@ import torch
 
 from fractus.baseline import GPT, GPTConfig
 from fractus.evaluate import evaluate_checkpoint
-from fractus.model import load_model
+from fractus.registry import load_model
 from fractus.train import main, train
 from util import cli, make_corpus, metrics
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fractus.grow import grow
-from fractus.model import FractusConfig, FractusCTE
+from fractus.model import ORIGINAL, FractusConfig, FractusCTE
 from util import assert_rel
 
 CHAIN = ("palier0", "palier1", "palier2", "palier3", "1b")
@@ -44,7 +44,8 @@ def check_same_function(old: FractusCTE, new: FractusCTE, T: int = 24):
     return ce0
 
 
-@pytest.mark.parametrize("src,dst", list(zip(CHAIN, CHAIN[1:])))
+@pytest.mark.parametrize("src,dst", list(zip(CHAIN, CHAIN[1:])) + [
+    (f"original-{a}", f"original-{b}") for a, b in zip(CHAIN, CHAIN[1:])])
 def test_growth_preserves_function_scaled_presets(src, dst):
     old = trained_like(scaled(src))
     new = grow(old, scaled(dst))
@@ -65,15 +66,25 @@ def test_growth_real_palier0_to_palier1():
     assert new.num_params() > 3 * old.num_params()
 
 
-@pytest.mark.parametrize("over", [dict(router="linear"), dict(expert_rank=0), dict(tie_head=False),
-                                  dict(attn_decay=(0.9, 0.95))],
-                         ids=["linear-router", "dense-experts", "untied-head", "per-head-decay"])
-def test_growth_variants(over):
-    src = FractusConfig.preset("tiny", vocab_size=97, **over)
-    dst = FractusConfig.preset("tiny", **{**over, **dict(
+# (name, the source's overrides of tiny, the target's beyond the grown dimensions)
+VARIANTS = [("linear-router", dict(router="linear"), {}), ("dense-experts", dict(expert_rank=0), {}),
+            ("untied-head", dict(tie_head=False), {}),
+            ("per-head-decay", dict(attn_decay=(0.9, 0.95)), dict(attn_decay=(0.9, 0.95, 1.0, 0.8))),
+            ("per-level-decay", dict(attn_decay=(0.9, 0.95, 0.8, 0.85)),
+             dict(attn_decay=(0.9, 0.95, 0.7, 0.6, 0.8, 0.85, 0.99, 1.0))),
+            ("shared-expert", dict(shared_expert=20), dict(shared_expert=40)),
+            ("shared-expert-added", {}, dict(shared_expert=24)),
+            ("eot-reset-conv2", dict(eot_reset=True, short_conv=2), {}),
+            ("denominator-no-gate", dict(attn_norm="denominator", attn_gate=False, qk_norm=True), {}),
+            ("original", dict(ORIGINAL), dict(ORIGINAL))]
+
+
+@pytest.mark.parametrize("src_over,dst_over", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS])
+def test_growth_variants(src_over, dst_over):
+    src = FractusConfig.preset("tiny", vocab_size=97, **src_over)
+    dst = FractusConfig.preset("tiny", **{**src_over, **dict(
         vocab_size=97, d_model=64, n_heads=4, n_layers=3, n_experts=6, expert_d_ff=48, n_oscillators=8,
-        coupling_rank=3, expert_rank=0 if over.get("expert_rank") == 0 else 12,
-        attn_decay=(0.9, 0.95, 1.0, 0.8) if "attn_decay" in over else 1.0)})
+        coupling_rank=3, expert_rank=0 if src_over.get("expert_rank") == 0 else 12), **dst_over})
     old = trained_like(src)
     check_same_function(old, grow(old, dst))
 
@@ -108,6 +119,9 @@ def test_grown_model_learns_new_parts():
     (dict(n_oscillators=6), "whole factor"),
     (dict(expert_rank=0), "dense"),
     (dict(top_k=1), "top_k"),
+    (dict(short_conv=2), "short_conv"),
+    (dict(attn_norm="denominator"), "attn_norm"),
+    (dict(attn_decay=(0.5, 0.5, 0.5, 0.5)), "attn_decay of the old heads"),
 ])
 def test_growth_refusals(over, msg):
     src = FractusConfig.preset("tiny", vocab_size=97)

@@ -12,7 +12,7 @@ import torch
 import fractus.model as model_mod
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
 from fractus.model import _FIELD_CHECKS, FractusConfig, FractusCTE, farey_phases, level_omegas, load_balance
-from util import assert_rel
+from util import assert_lowp, assert_rel
 
 
 def random_configs(n=8):
@@ -76,6 +76,9 @@ def test_eot_reset_starts_afresh(conv):
 
 @pytest.mark.parametrize("conv", [0, 4])
 def test_causality(conv):
+    """A token changed at position t leaves every earlier position's logits and routing as they were
+    (up to rounding: the experts' matmuls run over the tokens routed to each, a set that later
+    positions change) and changes the later ones."""
     cfg = FractusConfig.preset("tiny", vocab_size=101, short_conv=conv)
     model = FractusCTE(cfg).eval()
     x = torch.randint(0, 101, (2, 30))
@@ -85,10 +88,11 @@ def test_causality(conv):
     with torch.no_grad():
         lx, px, _ = model(x)
         ly, py, _ = model(y)
-    assert torch.equal(lx[:, :t], ly[:, :t])
+    assert_rel(ly[:, :t], lx[:, :t], 1e-6, "logits before t")
     assert not torch.allclose(lx[:, t:], ly[:, t:])
     for (ix, prx), (iy, pry) in zip(px["routing"], py["routing"]):
-        assert torch.equal(ix[:, :t], iy[:, :t]) and torch.equal(prx[:, :t], pry[:, :t])
+        assert torch.equal(ix[:, :t], iy[:, :t])
+        assert_rel(pry[:, :t], prx[:, :t], 1e-6, "routing probabilities before t")
 
 
 def test_tick_vec_matches_step_on_embedding():
@@ -100,19 +104,41 @@ def test_tick_vec_matches_step_on_embedding():
     assert all(torch.equal(s1, s2) for p, q in zip(sa, sb) for s1, s2 in zip(p, q))
 
 
+def test_a_config_without_levers_is_the_original():
+    """A config dict written before the levers existed (a checkpoint's) is read as the original
+    architecture, not as the default; the default's own dict round-trips."""
+    old = {k: v for k, v in FractusConfig.preset("original-tiny").to_dict().items() if k not in model_mod.ORIGINAL}
+    assert FractusConfig.from_dict(old) == FractusConfig.preset("original-tiny")
+    new = FractusConfig.preset("tiny")
+    assert FractusConfig.from_dict(new.to_dict()) == new and new != FractusConfig.preset("original-tiny")
+
+
 def test_1b_parameter_count():
-    """Ours exactly, so that a change of architecture shows here (they lie within 0.3% of the
-    original's, SPEC: 1,048,631,458; 183.1M active with the tied embedding, 118.8M without)."""
-    with torch.device("meta"):
-        model = FractusCTE(FractusConfig.preset("1b"))
-    counts = (model.num_params(), model.num_params(active=True), model.num_params(active=True, embedding=False))
-    assert counts == (1_048_961_456, 183_464_432, 119_135_472), counts
+    """The original architecture at 1b's dimensions, exactly (within 0.3% of the original model's
+    1,048,631,458 parameters; 183.1M active with the tied embedding, 118.8M without), and the
+    default's, so that a change of either architecture shows here."""
+    counts = {}
+    for name in ("original-1b", "1b"):
+        with torch.device("meta"):
+            model = FractusCTE(FractusConfig.preset(name))
+        counts[name] = (model.num_params(), model.num_params(active=True), model.num_params(active=True, embedding=False))
+    assert counts["original-1b"] == (1_048_961_456, 183_464_432, 119_135_472), counts
+    assert counts["1b"] == (1_180_361_136, 314_864_112, 250_535_152), counts
 
 
 def test_presets_and_spec_constants():
     for name in ("palier0", "palier1", "palier2", "palier3", "1b"):
-        c = FractusConfig.preset(name)
+        c, o = FractusConfig.preset(name), FractusConfig.preset(f"original-{name}")
         assert c.d_head == 64 and c.n_levels == 2 and c.top_k == 2 and c.chunk_len == 32
+        assert {k: getattr(o, k) for k in model_mod.ORIGINAL} == model_mod.ORIGINAL
+        assert {k: getattr(c, k) for k in model_mod.RECIPE if k not in ("attn_decay", "shared_expert")} == {
+            k: v for k, v in model_mod.RECIPE.items() if k not in ("attn_decay", "shared_expert")}
+        assert c.shared_expert == model_mod.SHARED_EXPERT_RATIO * c.d_model
+        assert c.decays == model_mod.multiscale_decays(c.n_heads, c.n_levels) and o.decays == (1.0,) * c.n_heads
+        assert {k: v for k, v in dataclasses.asdict(c).items() if k not in model_mod.ORIGINAL} == {
+            k: v for k, v in dataclasses.asdict(o).items() if k not in model_mod.ORIGINAL}  # the same dimensions
+    assert model_mod.multiscale_decays(2, 2) == (1 - 2 ** -4, 1 - 2 ** -8, 1 - 2 ** -6, 1 - 2 ** -10)
+    assert model_mod.multiscale_decays(4, 2)[:2] == model_mod.multiscale_decays(2, 2)[:2]  # heads added keep theirs
     assert level_omegas(2)[0] == 1.0 and abs(level_omegas(2)[1] - 0.381966) < 1e-6
     ph = farey_phases(16)
     assert ph.shape == (16,) and ph.unique().numel() == 16 and ph.min() >= 0 and ph.max() < 6.2832
@@ -374,8 +400,9 @@ def _two_chunks(backend, over, bf16=False):
             torch.stack(ticks), routing)
 
 
-MODEL_VARIANTS = dict(argvalues=[{}, {"expert_rank": 0, "attn_decay": (0.9, 0.97), "router": "linear"}],
-                      ids=["lowrank", "dense-decay-linear"])
+MODEL_VARIANTS = dict(argvalues=[{}, {"expert_rank": 0, "attn_decay": (0.9, 0.97), "router": "linear"},
+                                 model_mod.ORIGINAL],
+                      ids=["default", "dense-decay-linear", "original"])
 
 
 @pytest.mark.parametrize("over", **MODEL_VARIANTS)
@@ -403,11 +430,12 @@ def test_triton_path_equals_torch_path(over):
 def test_triton_path_under_bf16_autocast(over, monkeypatch):
     """Training's setting on the GPU's path: the whole model under bf16 autocast, every Triton
     kernel interpreted with bf16 rounded as a GPU does (the attention, the experts and the head
-    given bf16 activations), vs the fp32 CPU path. A token's expert may flip under bf16 (on either
-    path), so the bounds are bf16's, not the kernels' (measured: the PyTorch path under bf16 errs
-    by 2e-5 in the cross-entropy, 5e-3 to 8e-3 in the gradients, 5e-3 in the decode logits; the
-    Triton path by 3e-5, 5e-3 to 1.3e-2, 5e-3)."""
+    given bf16 activations), judged by the low-precision rule: against the fp32 CPU path, no worse
+    than the PyTorch path under the same autocast plus a small tolerance. A token's expert may flip
+    under bf16 (on either path), so the errors are bf16's, not the kernels' (the PyTorch path errs
+    by about 2e-5 in the cross-entropy, 1e-2 to 7e-2 in the gradients, 5e-3 in the decode logits)."""
     (l0, g0, t0, _) = _two_chunks("torch", over)
+    (lb, gb, tb, _) = _two_chunks("torch", over, bf16=True)
     given = {}
     for op in ("linear_attention", "moe", "linear_cross_entropy"):
         def record(x, *args, _op=op, _fn=getattr(model_mod, op), **kw):
@@ -416,9 +444,12 @@ def test_triton_path_under_bf16_autocast(over, monkeypatch):
         monkeypatch.setattr(model_mod, op, record)
     (l1, g1, t1, _) = _two_chunks("triton", over, bf16=True)
     assert given == dict.fromkeys(("linear_attention", "moe", "linear_cross_entropy"), {torch.bfloat16})
-    assert_rel(l1[:, 0], l0[:, 0], 2e-4, "cross-entropy")
-    assert_rel(l1[:, 1], l0[:, 1], 1e-2, "load balance")
-    assert g1.keys() == g0.keys()
-    assert_rel(torch.cat([g.flatten() for g in g1.values()]), torch.cat([g.flatten() for g in g0.values()]),
-               5e-2, "all gradients")
-    assert_rel(t1, t0, 3e-2, "decode logits")
+    assert g1.keys() == g0.keys() == gb.keys()
+
+    def flat(g):
+        return torch.cat([x.flatten() for x in g.values()])
+    for what, got, same, truth, tol in (("cross-entropy", l1[:, 0], lb[:, 0], l0[:, 0], 1e-4),
+                                        ("load balance", l1[:, 1], lb[:, 1], l0[:, 1], 1e-2),
+                                        ("all gradients", flat(g1), flat(gb), flat(g0), 2e-2),
+                                        ("decode logits", t1, tb, t0, 5e-3)):
+        assert_lowp(got, same, truth, tol, what)

@@ -1,0 +1,29 @@
+"""The models the trainer builds and every tool loads, by kind: "cte" (:class:`fractus.model.FractusCTE`)
+and "gpt" (the transformer baseline, :class:`fractus.baseline.GPT`). A checkpoint records its kind as
+``arch`` (absent: "cte")."""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from fractus.baseline import GPT, GPTConfig
+from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
+from fractus.model import FractusConfig, FractusCTE
+
+MODELS = {"cte": (FractusCTE, FractusConfig), "gpt": (GPT, GPTConfig)}
+
+
+def load_model(path, backend: str | None = None) -> nn.Module:
+    """The model of a checkpoint of either kind, on the CPU (``.to(device)`` moves it); ``backend``
+    replaces the kernels' backend it was saved with."""
+    ckpt = load_checkpoint(path)
+    arch = ckpt.get("arch", "cte")
+    if arch not in MODELS:
+        raise CheckpointError(f"{path}: unknown model kind 'arch' {arch!r}; expected one of {sorted(MODELS)}")
+    model_cls, cfg_cls = MODELS[arch]
+    try:
+        cfg = cfg_cls.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
+    model = model_cls(cfg)
+    load_model_state(model, ckpt["model"], path)
+    return model
