@@ -174,7 +174,7 @@ def _grow_block(new, old, src: FractusConfig, cfg: FractusConfig, c: float) -> N
     # attention: old heads keep their q/k/v rows; new heads are silent in the out projection
     a, b = new.attn, old.attn
     _norm(a.ln, b.ln, 1 / c, 1.0)
-    for p in range(3):
+    for p in range(b.qkv.weight.shape[0] // d):  # q, k, v (and the gate): old heads' rows, old columns
         a.qkv.weight[p * d2:p * d2 + d, :d].copy_(b.qkv.weight[p * d:(p + 1) * d])
         a.qkv.bias[p * d2:p * d2 + d].copy_(b.qkv.bias[p * d:(p + 1) * d])
     if a.conv is not None:  # per channel of q, k, v: old heads' channels keep their filters
@@ -182,9 +182,6 @@ def _grow_block(new, old, src: FractusConfig, cfg: FractusConfig, c: float) -> N
             a.conv.weight[:, p * d2:p * d2 + d].copy_(b.conv.weight[:, p * d:(p + 1) * d])
     if a.norm is not None:
         a.norm[:src.n_heads].copy_(b.norm)
-    if a.gate is not None:  # old heads' channels read the old columns; new heads are silent anyway
-        _copy(a.gate.weight, b.gate.weight)
-        _copy(a.gate.bias, b.gate.bias)
     a.out.weight.copy_(_writer(_padded(b.out.weight, (d, d2)), 0, d2, c))
     a.out.bias.copy_(_writer(b.out.bias, 0, d2, c))
     a.level_logits.copy_(b.level_logits)

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from fractus.kernels.backend import BACKENDS
+from fractus.kernels.backend import BACKENDS, first_order_only
 from fractus.kernels.cross_entropy import linear_cross_entropy
 from fractus.kernels.kuramoto import kuramoto_phase
 from fractus.kernels.linear_attention import linear_attention
@@ -254,19 +254,43 @@ class ShortConv(nn.Module):
             prev = x.new_zeros(B, W - 1, C, dtype=torch.float32)
         xp = torch.cat([prev.to(x.dtype), x], 1)  # [B, W − 1 + T, C]
         w = self.weight.to(x.dtype)
+        if resets is None:
+            return _Taps.apply(xp, w), xp[:, T:].float()
+        seen = resets.cumsum(1)  # resets up to t [B, T]
         y = x * w[0]
-        seen = None if resets is None else resets.cumsum(1)  # resets up to t [B, T]
-        for j in range(1, W):
-            tap = xp[:, W - 1 - j:W - 1 - j + T] * w[j]
-            if seen is not None:  # no reset in (t − j, t]: seen_t − seen_{t−j} = 0 (none before the chunk)
-                before = F.pad(seen, (j, 0))[:, :T]
-                tap = tap * (seen == before).unsqueeze(-1).to(x.dtype)
-            y = y + tap
-        buf = xp[:, T:]
-        if seen is not None:  # inputs before the chunk's last reset leave the buffer as zeros
-            after = seen[:, -1:] - F.pad(seen, (W - 1, 0))[:, T:]  # resets after each buffered input
-            buf = buf * (after == 0).unsqueeze(-1).to(x.dtype)
+        for j in range(1, W):  # x_{t−j} counts if no reset in (t − j, t]: seen_t = seen_{t−j} (none before the chunk)
+            before = F.pad(seen, (j, 0))[:, :T]
+            y = y + xp[:, W - 1 - j:W - 1 - j + T] * w[j] * (seen == before).unsqueeze(-1).to(x.dtype)
+        after = seen[:, -1:] - F.pad(seen, (W - 1, 0))[:, T:]  # resets after each buffered input: those
+        buf = xp[:, T:] * (after == 0).unsqueeze(-1).to(x.dtype)  # before the chunk's last one leave as zeros
         return y, buf.float()
+
+
+class _Taps(torch.autograd.Function):
+    """y_t = Σ_j w_j ⊙ xp_{t+W−1−j} (xp [B, W − 1 + T, C], w [W, C] → y [B, T, C]); the backward
+    adds each tap's gradient into one buffer instead of a zero-filled tensor per slice."""
+
+    @staticmethod
+    def forward(ctx, xp, w):
+        W, T = w.shape[0], xp.shape[1] - w.shape[0] + 1
+        y = xp[:, W - 1:] * w[0]
+        for j in range(1, W):
+            y.addcmul_(xp[:, W - 1 - j:W - 1 - j + T], w[j])
+        ctx.save_for_backward(xp, w)
+        return y
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dy):
+        xp, w = ctx.saved_tensors
+        W, T = w.shape[0], dy.shape[1]
+        dxp = torch.zeros_like(xp)
+        dw = torch.empty_like(w)
+        for j in range(W):
+            tap = slice(W - 1 - j, W - 1 - j + T)
+            dxp[:, tap].addcmul_(dy, w[j])
+            dw[j] = (xp[:, tap] * dy).sum((0, 1))
+        return dxp, dw
 
 
 class LinearAttention(nn.Module):
@@ -286,10 +310,9 @@ class LinearAttention(nn.Module):
         self.cfg = cfg
         d, H, Lv = cfg.d_model, cfg.n_heads, cfg.n_levels
         self.ln = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
+        self.qkv = nn.Linear(d, (4 if cfg.attn_gate else 3) * d)  # q, k, v and the gate's W_g, b_g: one matmul
         self.conv = ShortConv(3 * d, cfg.short_conv) if cfg.short_conv else None
         self.norm = nn.Parameter(torch.ones(H, cfg.d_head)) if cfg.attn_norm == "rms" else None
-        self.gate = nn.Linear(d, d) if cfg.attn_gate else None
         self.out = nn.Linear(d, d)
         self.level_logits = nn.Parameter(torch.zeros(Lv))
         g = torch.tensor(cfg.decays)
@@ -301,8 +324,10 @@ class LinearAttention(nn.Module):
         starts afresh before those positions) → (residual update [B, T, d], new state)."""
         B, T, d = h.shape
         H, D = self.cfg.n_heads, self.cfg.d_head
-        a = self.ln(h)
-        qkv = self.qkv(a)
+        qkv = self.qkv(self.ln(h))
+        gate = None
+        if self.cfg.attn_gate:
+            qkv, gate = qkv[..., :3 * d], qkv[..., 3 * d:]
         attn_state = None if state is None else state[:2]
         conv_state = ()
         if self.conv is not None:
@@ -318,8 +343,8 @@ class LinearAttention(nn.Module):
         if self.norm is not None:
             o = F.rms_norm(o, (D,), eps=self.cfg.eps) * self.norm.to(o.dtype)
         o = o.reshape(B, T, d)
-        if self.gate is not None:
-            o = o * F.silu(self.gate(a))
+        if gate is not None:
+            o = o * F.silu(gate)
         return self.out(o), (*new_state, *conv_state)
 
 

@@ -73,9 +73,9 @@ VARIANTS = [("linear-router", dict(router="linear"), {}), ("dense-experts", dict
             ("per-level-decay", dict(attn_decay=(0.9, 0.95, 0.8, 0.85)),
              dict(attn_decay=(0.9, 0.95, 0.7, 0.6, 0.8, 0.85, 0.99, 1.0))),
             ("shared-expert", dict(shared_expert=20), dict(shared_expert=40)),
-            ("shared-expert-added", {}, dict(shared_expert=24)),
+            ("shared-expert-added", dict(shared_expert=0), dict(shared_expert=24)),
             ("eot-reset-conv2", dict(eot_reset=True, short_conv=2), {}),
-            ("denominator-no-gate", dict(attn_norm="denominator", attn_gate=False, qk_norm=True), {}),
+            ("rms-no-gate-qk-norm", dict(attn_norm="rms", attn_gate=False, qk_norm=True), {}),
             ("original", dict(ORIGINAL), dict(ORIGINAL))]
 
 
@@ -120,7 +120,7 @@ def test_grown_model_learns_new_parts():
     (dict(expert_rank=0), "dense"),
     (dict(top_k=1), "top_k"),
     (dict(short_conv=2), "short_conv"),
-    (dict(attn_norm="denominator"), "attn_norm"),
+    (dict(attn_norm="rms"), "attn_norm"),
     (dict(attn_decay=(0.5, 0.5, 0.5, 0.5)), "attn_decay of the old heads"),
 ])
 def test_growth_refusals(over, msg):

@@ -55,6 +55,22 @@ def test_decode_equals_chunked_forward(cfg):
     assert_rel(torch.stack(ticks, 1), full, 1e-5, "step-by-step vs chunked forward")
 
 
+def test_short_convolution_paths():
+    """The convolution's fast path (its hand-written backward, gradchecked in fp64) equals the
+    path with resets when no reset falls in the chunk, outputs, carried buffer and gradients."""
+    torch.manual_seed(0)
+    conv = model_mod.ShortConv(12, 4).double()
+    x = torch.randn(3, 9, 12, dtype=torch.float64, requires_grad=True)
+    prev = torch.randn(3, 3, 12, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x, w: model_mod._Taps.apply(torch.cat([prev, x], 1), w), (x, conv.weight))
+    fast, masked = conv(x, prev), conv(x, prev, torch.zeros(3, 9, dtype=torch.bool))
+    for a, b in zip(fast, masked):
+        assert_rel(a, b, 1e-12, "outputs and buffer")
+    for a, b in zip(torch.autograd.grad(fast[0].sum(), (x, conv.weight)),
+                    torch.autograd.grad(masked[0].sum(), (x, conv.weight))):
+        assert_rel(a, b, 1e-12, "gradients")
+
+
 @pytest.mark.parametrize("conv", [0, 4])
 def test_eot_reset_starts_afresh(conv):
     """With eot_reset, the logits from an end-of-text token on are those of a fresh model state

@@ -23,7 +23,7 @@ import pandas as pd
 from fractus.model import ORIGINAL, FractusConfig
 from fractus.records import append_csv
 
-STEP_TOKENS = 2048  # tokens per optimizer step, every variant (make demo's)
+STEP_TOKENS = 2048  # tokens per optimizer step, every variant (make demo's: 32 streams × 64 positions)
 LEVER_NAMES = {"attn_decay": "multi-scale decay", "attn_norm": "RMSNorm read-out (no denominator)",
                "attn_gate": "swish output gate", "short_conv": "short convolution", "qk_norm": "RMS-normalised q, k",
                "shared_expert": "shared expert", "expert_init_std": "expert output init",
@@ -41,7 +41,7 @@ class Variant:
     model: str = "cte"
     preset: str = "palier0"
     changes: tuple = field(default=())  # ((config field, value), …)
-    chunk_len: int = 32
+    chunk_len: int = 64
     batch_size: int = 32  # streams; accumulation: STEP_TOKENS / (batch_size · chunk_len)
 
     def argv(self, data, out, tokens: int, seed: int, threads: int) -> list[str]:

@@ -3,14 +3,16 @@ a roofline time per component, and time-to-train.
 
 Counting rules (per token, forward; a multiply-add is 2 FLOPs):
 
-- attention: q/k/v and output projections (8·d²), the feature maps, and the chunked algorithm the
-  kernels run: per level, an intra-chunk part over ``attn_chunk`` positions (4·d·c) and the
-  D×D state read and update (4·d·D); ``attn_chunk=1`` is the plain recurrence.
+- attention: q/k/v and output projections (8·d²; the output gate's projection 2·d² more), the
+  short convolution (2·3d·W), the feature maps, and the chunked algorithm the kernels run: per
+  level, an intra-chunk part over ``attn_chunk`` positions (4·d·c) and the D×D state read and
+  update (4·d·D); ``attn_chunk=1`` is the plain recurrence.
 - kuramoto: the encoder (2·d·N) and ``kuramoto_steps`` RK4 steps of 4 rate evaluations
   (the low-rank coupling products 8·N·r of the PyTorch path; the Triton kernels multiply by the
   dense K = U diag(λ) Uᵀ, 4·N², the same at every preset's r = N/2; sin/cos counted as
   ``TRANSCENDENTAL`` FLOPs each); none with the linear router, which has no clock.
-- moe: the gate, then ``top_k`` experts (low-rank: 4·d·r + 4·F·r, dense: 4·d·F) plus gelu.
+- moe: the gate, then ``top_k`` experts (low-rank: 4·d·r + 4·F·r, dense: 4·d·F) plus gelu, and
+  the shared expert (4·d·F_s) when there is one.
 - head: the tied (or separate) head and its cross-entropy, 2·d·V + 5·V, on the supervised
   positions only (``head_positions="last"`` divides it by the chunk length).
 - norms: every LayerNorm (3 per block + the final one), ``NORM_FLOPS`` per element.
@@ -69,8 +71,10 @@ def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | No
     N, r_c, E, K, Fd, r = (cfg.n_oscillators, cfg.coupling_rank, cfg.n_experts, cfg.top_k,
                            cfg.expert_d_ff, cfg.expert_rank)
     c = _attn_chunk(cfg, attn_chunk)
-    attn_mm = 8 * d * d + Lv * (4 * d * c + 4 * d * D)
+    gate, W = cfg.attn_gate, cfg.short_conv
+    attn_mm = (8 + 2 * gate) * d * d + Lv * (4 * d * c + 4 * d * D)
     attn_ew = Lv * 2 * d * (TRANSCENDENTAL + 2) + Lv * 3 * d + 2 * d  # features, divide, mix, residual
+    attn_ew += 2 * 3 * d * W + gate * d * (TRANSCENDENTAL + 3) + (cfg.attn_norm == "rms") * d * NORM_FLOPS
     rate_mm = 8 * N * r_c
     rate_ew = 2 * N * TRANSCENDENTAL + 8 * N
     clock = cfg.router == "phase"  # the linear router has no clock
@@ -78,8 +82,9 @@ def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | No
     kur_ew = clock * (cfg.kuramoto_steps * (4 * rate_ew + 12 * N) + 2 * N * TRANSCENDENTAL + TRANSCENDENTAL)
     expert_mm = 4 * d * r + 4 * Fd * r if r > 0 else 4 * d * Fd
     gate_mm = 2 * d * E if cfg.router == "linear" else 0
-    moe_mm = gate_mm + K * expert_mm
-    moe_ew = E * (TRANSCENDENTAL + 3) + K * (Fd * GELU_FLOPS + 2 * Fd + 3 * d) + d
+    Fs = cfg.shared_expert
+    moe_mm = gate_mm + K * expert_mm + 4 * d * Fs
+    moe_ew = E * (TRANSCENDENTAL + 3) + K * (Fd * GELU_FLOPS + 2 * Fd + 3 * d) + d + Fs * (GELU_FLOPS + 1) + d
     share = _head_share(cfg, head_positions)
     head_mm = share * 2 * d * cfg.vocab_size
     head_ew = share * cfg.vocab_size * (3 + TRANSCENDENTAL)
@@ -112,10 +117,15 @@ def weight_counts(cfg: FractusConfig) -> dict[str, int]:
     N = cfg.n_oscillators
     expert = (2 * d * r + 2 * Fd * r + 2) if r > 0 else 2 * d * Fd
     expert += Fd + d
+    Fs = cfg.shared_expert
+    gate = cfg.attn_gate
+    attention = (4 + gate) * d * d + (4 + gate) * d + cfg.n_levels + 3 * d * cfg.short_conv
+    attention += d * (cfg.attn_norm == "rms")
     return {"embedding": cfg.vocab_size * d,
-            "attention": L * (4 * d * d + 4 * d + cfg.n_levels),
+            "attention": L * attention,
             "kuramoto": L * (d * N + N + N + N * cfg.coupling_rank + cfg.coupling_rank) * (cfg.router == "phase"),
-            "moe": L * (E * expert + E + (d * E if cfg.router == "linear" else 1)),  # + gate bias
+            "moe": L * (E * expert + E + (d * E if cfg.router == "linear" else 1)  # + gate bias
+                        + (2 * d * Fs + Fs + d if Fs else 0)),
             "head": 0 if cfg.tie_head else cfg.vocab_size * d,
             "norms": (_norms(cfg) * L + 1) * 2 * d}
 
@@ -131,10 +141,12 @@ def _activation_elems(cfg: FractusConfig, head_positions: str, attn_chunk: int |
     N, K, Fd, r = cfg.n_oscillators, cfg.top_k, cfg.expert_d_ff, cfg.expert_rank
     c = _attn_chunk(cfg, attn_chunk)
     attn = 4 * d + 4 * d + Lv * 4 * d + Lv * 4 * d + 2 * d + 3 * d  # qkv, features, chunks, out, residual
+    attn += 2 * 3 * d * (cfg.short_conv > 0) + 3 * d * cfg.attn_gate  # the convolution, the gate
     state = Lv * H * D * (D + 1) * 2 / c  # S read + written once per chunk
     kur = (2 * d + N + cfg.kuramoto_steps * 4 * 10 * N + 2 * N) * (cfg.router == "phase")
     inner = (r if r > 0 else 0) * 2 + Fd * 3
     moe = cfg.n_experts * 3 + K * (2 * d + 2 * inner) + 2 * K * d + 3 * d
+    moe += (2 * d + 3 * cfg.shared_expert) * (cfg.shared_expert > 0)
     share = _head_share(cfg, head_positions)
     head = share * (2 * d + (0 if fused_ce else 4 * cfg.vocab_size))
     norms = (_norms(cfg) * L + 1) * 2 * d

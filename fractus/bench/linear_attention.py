@@ -37,7 +37,8 @@ GPU_SHAPE = dict(B=8, H=20, D=64, levels=2)  # 40 level·heads
 
 def make_inputs(B, T, H, D, levels=2, decay=False, state=False, dtype=torch.float32,
                 device="cpu", grad=True, seed=0, history=0, v_mean=0.0):
-    """q, k, v [B, T, H, D] in dtype, level weights [Lv], decay [H] or None, state or None;
+    """q, k, v [B, T, H, D] in dtype, level weights [Lv], decay [H] (``decay="level"``: [Lv, H], one
+    per level and head, as the default model has) or None, state or None;
     the floating leaves require grad when grad=True (state and weights in fp32). With ``history``
     the state is the one that many earlier tokens leave without decay (training's carried state),
     v of those and of the call drawn around ``v_mean``."""
@@ -48,7 +49,8 @@ def make_inputs(B, T, H, D, levels=2, decay=False, state=False, dtype=torch.floa
     q, k = (leaf(torch.randn(B, T, H, D, generator=gen)) for _ in range(2))
     v = leaf(v_mean + torch.randn(B, T, H, D, generator=gen))
     w = leaf(torch.softmax(torch.randn(levels, generator=gen), 0), torch.float32)
-    g = (torch.rand(H, generator=gen) * 0.3 + 0.65).to(device) if decay else None
+    g = (torch.rand(*((levels, H) if decay == "level" else (H,)), generator=gen) * 0.3 + 0.65).to(device) \
+        if decay else None
     st = None
     if history:
         kh = torch.randn(B, history, H, D, generator=gen).to(dtype).double()
@@ -310,10 +312,10 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
 NAMES = ("o", "S", "z", "dq", "dk", "dv", "dw", "dS0", "dz0")
 
 
-def _outputs(backend, inputs, dtype, grad, loss_mean=0.0):
+def _outputs(backend, inputs, dtype, grad, loss_mean=0.0, normalize=True):
     """Run on copies in dtype (state, weights fp32; fp64 for the truth): o, S, z (+ grads of a
     fixed random loss on o, S and z with a state, on o alone without (training's), its weights
-    drawn around loss_mean)."""
+    drawn around loss_mean); ``normalize=False``: the attention without its denominator."""
     q, k, v, w, g, st = inputs
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
     leaves = [x.detach().to(dtype).requires_grad_(grad) for x in (q, k, v)]
@@ -321,7 +323,7 @@ def _outputs(backend, inputs, dtype, grad, loss_mean=0.0):
     leaves += [x.detach().to(sdt).requires_grad_(grad) for x in st or ()]
     with torch.set_grad_enabled(grad):
         o, (S, z) = linear_attention(*leaves[:4], level_omegas(w.numel()), None if g is None else g.to(sdt),
-                                     tuple(leaves[4:]) or None, backend=backend)
+                                     tuple(leaves[4:]) or None, backend=backend, normalize=normalize)
     outs = [o, S, z]
     if grad:
         gen = torch.Generator().manual_seed(1)
@@ -341,38 +343,48 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
     through the interpreter, which :mod:`fractus.verify.interpret` makes round it as a GPU does):
     rel_err ≤ that of the PyTorch path in bf16 + 1e-2 (dw, a sum of B·T·H·D mostly cancelling
     terms, 3e-2). The interpreter's bf16 exceeds the PyTorch path's error at these sizes by at most
-    3.6e-3 (dq over the long call), dw by 1.7e-2 (T = 300). Recorded, never raised."""
+    3.6e-3 (dq over the long call), dw by 1.7e-2 (T = 300). The default model's setting, a decay per
+    (level, head), runs with the denominator and without it. Recorded, never raised."""
     device = torch.device(device)
     random_state, carried = dict(decay=True, state=True), dict(history=1024 if smoke else 16384, v_mean=1.0)
+    per_level, unnormalized = dict(decay="level", state=True), dict(decay="level", state=True, normalize=False)
     one_call = dict(v_mean=1.0, loss_mean=3.0)
     if smoke:
         cases = [("chunked", dict(B=2, T=40, H=2, D=48, **random_state), True),
                  ("chunked", dict(B=1, T=40, H=2, D=32, **carried), True),
                  ("chunked", dict(B=1, T=160, H=1, D=32, **one_call), True),
-                 ("decode", dict(B=2, T=1, H=2, D=32, **random_state), False)]
+                 ("chunked", dict(B=2, T=40, H=2, D=32, **per_level), True),
+                 ("chunked", dict(B=2, T=40, H=2, D=32, **unnormalized), True),
+                 ("decode", dict(B=2, T=1, H=2, D=32, **random_state), False),
+                 ("decode", dict(B=2, T=1, H=2, D=32, **unnormalized), False)]
     else:
         cases = [("chunked", dict(B=2, T=300, H=3, D=48, **random_state), True),
                  ("chunked", dict(B=2, T=200, H=2, D=64, **random_state), True),
                  ("chunked", dict(B=2, T=200, H=2, D=64, **carried), True),
                  ("chunked", dict(B=1, T=2048, H=2, D=64, **one_call), True),
+                 ("chunked", dict(B=2, T=300, H=3, D=64, **per_level), True),
+                 ("chunked", dict(B=2, T=300, H=3, D=64, **unnormalized), True),
                  ("decode", dict(B=2, T=1, H=3, D=64, **random_state), False),
-                 ("decode", dict(B=2, T=7, H=3, D=48, **random_state), False)]
+                 ("decode", dict(B=2, T=7, H=3, D=48, **random_state), False),
+                 ("decode", dict(B=2, T=1, H=3, D=64, **unnormalized), False)]
     rows = []
     for kind, shape, grad in cases:
         shape = dict(shape)
-        loss_mean = shape.pop("loss_mean", 0.0)
+        loss_mean, normalize = shape.pop("loss_mean", 0.0), shape.pop("normalize", True)
         for dtype in (torch.float32, torch.bfloat16):
             after = f" after {shape['history']} tokens" if "history" in shape else ""
             if loss_mean:
                 after += f" one call v/dO means {shape['v_mean']:g}/{loss_mean:g}"
+            if shape.get("decay") == "level":
+                after += " decay per level" + ("" if normalize else ", no denominator")
             kernel = f"linear_attention[{kind} T={shape['T']} D={shape['D']}{after}]"
             try:
                 inputs = make_inputs(**shape, levels=2, dtype=dtype, device=device, grad=False)
-                got = _outputs("triton", inputs, dtype, grad, loss_mean)
-                truth = _outputs("reference", inputs, torch.float64, grad, loss_mean)
+                got = _outputs("triton", inputs, dtype, grad, loss_mean, normalize)
+                truth = _outputs("reference", inputs, torch.float64, grad, loss_mean, normalize)
                 # fp32 over one long call errs by ~1e-4 on every path (the fp32 reference by 1.3e-4)
                 lowp_rule = dtype != torch.float32 or loss_mean
-                same = _outputs("torch", inputs, dtype, grad, loss_mean) if lowp_rule else None
+                same = _outputs("torch", inputs, dtype, grad, loss_mean, normalize) if lowp_rule else None
                 margin = 1e-2 if dtype == torch.bfloat16 else 1e-4
                 rows += common.check_rows(kernel, dtype, NAMES[:len(got)], got, truth, same, margin,
                                           margins={"dw": 3 * margin}, truth_name="fp64 reference")

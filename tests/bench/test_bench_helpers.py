@@ -56,8 +56,9 @@ def test_the_originals_profile_tables_add_up_and_map_every_component():
     assert sum(v for k, v in P.ORIGINAL_PHASES_MS.items() if k != "total") == P.ORIGINAL_PHASES_MS["total"]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "palier0"])
-@pytest.mark.parametrize("over", [{}, {"tie_head": False}, {"expert_rank": 0}, {"router": "linear"}])
+@pytest.mark.parametrize("preset", ["tiny", "palier0", "original-palier0"])
+@pytest.mark.parametrize("over", [{}, {"tie_head": False}, {"expert_rank": 0}, {"router": "linear"},
+                                  {"attn_norm": "rms", "short_conv": 3}])
 def test_param_count_matches_the_model(preset, over):
     cfg = FractusConfig.preset(preset, **over)
     model = FractusCTE(cfg)
