@@ -284,11 +284,14 @@ class _Taps(torch.autograd.Function):
     def backward(ctx, dy):
         xp, w = ctx.saved_tensors
         W, T = w.shape[0], dy.shape[1]
-        dxp = torch.zeros_like(xp)
+        dxp = torch.empty_like(xp)
+        dxp[:, :W - 1].zero_()
+        torch.mul(dy, w[0], out=dxp[:, W - 1:])
         dw = torch.empty_like(w)
         for j in range(W):
             tap = slice(W - 1 - j, W - 1 - j + T)
-            dxp[:, tap].addcmul_(dy, w[j])
+            if j:
+                dxp[:, tap].addcmul_(dy, w[j])
             dw[j] = (xp[:, tap] * dy).sum((0, 1))
         return dxp, dw
 

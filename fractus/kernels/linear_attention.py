@@ -202,8 +202,8 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps, n
 # The products with the carried state itself, f(q)·S_c (the output) and g·S_cᵀ (dq), need more:
 # with γ = 1, S ≈ z·v̄ᵀ grows with the N tokens seen, while dq = (S·g − (g·y)·z) is the size of v's
 # spread σ around its mean v̄: its two terms cancel. S rounded to bf16 (or tf32) costs dq a relative
-# error of about 2⁻⁹·√N·|v̄|/σ (0.56–0.86 at N = 8192, v̄ = σ, three seeds: the PyTorch path under
-# bf16 autocast measured so before it kept this product in fp32). So in low precision (SDROP > 0) S is split into
+# error of about 2⁻⁹·√N·|v̄|/σ (0.56–0.86 at N = 8192, v̄ = σ, three seeds, on the PyTorch path under
+# bf16 autocast with this product in bf16). So in low precision (SDROP > 0) S is split into
 # two dot operands, hi = S rounded and lo = S − hi (together S to ~2⁻¹⁷), and the other operand is
 # rounded once (:func:`_round_mantissa`) and used as rounded in both cancelling terms: f(q) in the
 # numerator and the denominator, g in g·Sᵀ and in gz = −g·y (and in the reverse recurrence's dS and
@@ -211,8 +211,8 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps, n
 # but spill 300 B of registers in bf16.) Every other fp32 operand of a tf32 dot is rounded to
 # nearest too (:func:`_operand`), as Hopper's tensor cores truncate it. Likewise z sums f(k) as
 # rounded for S's dot, and the denominator sums the intra-chunk A as rounded for the numerator's
-# (the ones column beside v of the PyTorch path does both by construction): with unrounded sums,
-# fp16 dq's error was 8x the reference's over one call of 2,048 tokens.
+# (the ones column beside v of the PyTorch path does both by construction): unrounded sums make fp16
+# dq's error 8x the reference's over one call of 2,048 tokens.
 
 _DECODE_MAX_T = 16
 
@@ -232,8 +232,7 @@ def _configs():
 
 # The parallel kernels have no loop to pipeline and hold many [BT, BD] fp32 tiles: compiled ahead
 # of time for sm_90 (python -m fractus.bench aot), 4 warps spill registers in bf16 and fp32; 8 warps
-# spill at most tens of bytes in bf16 (backward chunks of 32: 24 B under Triton 3.9, 12–16 B under
-# 3.6; forward 0, 36 B under 3.6 at a T not a multiple of 16), so they launch with 8 warps, untuned.
+# spill at most tens of bytes in bf16 (results/aot_sm90.csv), so they launch with 8 warps, untuned.
 _PARALLEL_WARPS = 8
 
 
@@ -734,6 +733,6 @@ def linear_attention(q, k, v, level_weights, omegas, decay=None, state=None, eps
     omegas = [float(om) for om in omegas]
     if path == "triton":
         if resets is not None:
-            raise NotImplementedError("the Triton linear attention has no resets: use backend='torch'")
+            raise ValueError("the Triton linear attention has no resets (eot_reset): use backend='torch'")
         return _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps, normalize)
     return _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps, normalize, resets)

@@ -86,7 +86,7 @@ def test_torch_path_vs_reference(T, D, decay, state):
     got = run(inputs, torch.float32, backend="torch")
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     compare(got, truth, FP32_TOL, T, state)
-    for x, ref in zip(got[:3], truth[:3]):  # the lead's decode == chunked check runs at 1e-5
+    for x, ref in zip(got[:3], truth[:3]):  # the model's decode == chunked check runs at 1e-5
         assert_rel(x.double(), ref, 1e-5, "forward")
 
 
@@ -147,6 +147,43 @@ def test_level_decays_are_per_level(normalize):
     one_level = [linear_attention(q, k, v, torch.eye(2, dtype=q.dtype)[l], OMEGAS, g[l], **kw)[0] for l in (0, 1)]
     assert_rel(linear_attention(q, k, v, w, OMEGAS, g, **kw)[0], w[0] * one_level[0] + w[1] * one_level[1],
                1e-12, "o as the levels' own")
+
+
+def random_resets(B, T, seed=3):
+    """[B, T] resets: a few random positions, the first of row 0 and a chunk boundary of row 1."""
+    r = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) < 0.04
+    r[0, 0] = True
+    r[1, min(64, T - 1)] = True
+    return r
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("T,decay,state", [(1, "level", True), (40, True, True), (100, "level", True),
+                                           (150, False, False), (257, "level", False)])
+def test_resets_torch_path_vs_reference(T, decay, state, normalize):
+    """Resets on the PyTorch path (masks within and across chunks) vs the reference's token loop,
+    outputs, final state and every gradient."""
+    inputs = make(2, T, 2, 32, decay, state)
+    r = random_resets(2, T)
+    truth = run(inputs, torch.float64, backend="reference", normalize=normalize, resets=r)
+    got = run(inputs, torch.float32, backend="torch", normalize=normalize, resets=r)
+    compare(got, truth, FP32_TOL, T, not normalize)  # T = 1, reset at 0, with the denominator: dq of order eps
+
+
+def test_a_reset_starts_the_state_afresh():
+    """From a reset on, the outputs are those of a call that starts there with no state, and the
+    final state too; before it, those of the call without resets."""
+    q, k, v, w, g, st = make(2, 90, 2, 16, "level", True)
+    r = torch.zeros(2, 90, dtype=torch.bool)
+    r[:, 37] = True
+    for path, tol in (("reference", 1e-10), ("torch", 1e-6)):  # the torch path computes in fp32
+        o, (S, z) = linear_attention(q, k, v, w, OMEGAS, g, st, backend=path, resets=r)
+        fresh, (S1, z1) = linear_attention(q[:, 37:], k[:, 37:], v[:, 37:], w, OMEGAS, g, backend=path)
+        plain, _ = linear_attention(q[:, :37], k[:, :37], v[:, :37], w, OMEGAS, g, st, backend=path)
+        assert_rel(o[:, 37:], fresh, tol, f"{path}: after the reset")
+        assert_rel(o[:, :37], plain, tol, f"{path}: before it")
+        assert_rel(S, S1, tol, f"{path}: final S")
+        assert_rel(z, z1, tol, f"{path}: final z")
 
 
 @pytest.fixture
@@ -348,7 +385,7 @@ LONG = dict(history=8192, v_mean=1.0)  # a state carried over 8,192 tokens, v ar
 def test_long_carried_state_under_bf16_autocast():
     """Training's setting on the PyTorch path (bf16 autocast, no decay, a long carried state, v with
     a mean): S ≈ z·v̄ᵀ grows with the tokens seen while dq = (S·dO − (dO·y)·z)/den stays the size of
-    v's spread, so the product with the state must stay fp32 (in bf16, dq's error was 0.56)."""
+    v's spread, so the product with the state must stay fp32 (in bf16, dq's error is 0.56)."""
     inputs = make(1, 64, 2, 64, False, False, **LONG)
     truth = run(inputs, torch.float64, backend="reference")
     got = run(inputs, torch.float32, bf16_autocast=True, backend="torch")
@@ -360,10 +397,10 @@ def test_long_carried_state_under_bf16_autocast():
 def test_long_sequence_low_precision(dtype):
     """One call over 2,048 tokens, v and dO with a mean, the loss on o (training's): the state
     built within the call and the intra-chunk term must enter the numerator and the denominator
-    with the same rounded f(k) and A. The denominators summed unrounded ones: fp16 dq's error
-    exceeded the fp16 reference's (which computes in fp32) by 2.2e-3. The kernels' 10-bit dot
-    operands exceed it by 5e-4 (measured at 1,024 and 2,048 tokens, dO means 0 to 3), hence fp16's
-    tol 1e-3 (bf16's 8-bit ones by 4.7e-3)."""
+    with the same rounded f(k) and A (denominators summing unrounded ones exceed the fp16 reference's
+    dq error, the reference computing in fp32, by 2.2e-3). The kernels' 10-bit dot operands exceed it
+    by 5e-4 (at 1,024 and 2,048 tokens, dO means 0 to 3), hence fp16's tol 1e-3 (bf16's 8-bit ones
+    by 4.7e-3)."""
     _assert_lowp(make(1, 2048, 1, 16, False, False, dtype=dtype, levels=1, v_mean=1.0), True,
                  "triton", dtype, state_loss=False, loss_mean=3.0, tol=1e-3)
 
@@ -413,8 +450,10 @@ def test_bad_inputs(path):
              ({"q": q[0]}, ValueError, r"q, k, v must all be \[B, T, H, D\]"),
              ({"q": q[:, :0], "k": q[:, :0], "v": q[:, :0]}, ValueError, "need T >= 1 and at least one level; got T=0"),
              ({"w": torch.ones(3) / 3}, ValueError, r"level_weights must be \[Lv\]=2, got \(3,\)")]
+    cases += [({"resets": torch.zeros(1, 4, dtype=torch.bool)}, ValueError, r"resets must be None or a \[B, T\]")]
     if path == "triton":
-        cases += [({"q": q.double(), "k": q.double(), "v": q.double()}, TypeError,
+        cases += [({"resets": torch.zeros(1, 3, dtype=torch.bool)}, ValueError, "has no resets"),
+                  ({"q": q.double(), "k": q.double(), "v": q.double()}, TypeError,
                    "the Triton linear attention takes fp32/fp16/bf16 inputs, got torch.float64"),
                   ({"q": torch.randn(1, 3, 1, 256), "k": torch.randn(1, 3, 1, 256), "v": torch.randn(1, 3, 1, 256)},
                    ValueError, "D <= 128, got 256")]
