@@ -2,7 +2,7 @@
 
 A stack of pre-norm blocks, each: multi-level causal linear attention with a carried state
 per (level, head) → a Kuramoto phase clock integrated per token → phase-routed top-k sparse
-low-rank experts (beside a dense shared expert when ``shared_expert`` > 0). Tied head behind a
+low-rank experts (beside a dense shared expert when ``shared_expert`` > 0, off by default). Tied head behind a
 final LayerNorm. The only state that crosses positions is each block's attention state (and its
 short convolution's last inputs), so ``forward`` over a chunk and ``step`` token by token compute
 the same logits.
@@ -52,7 +52,7 @@ class FractusConfig:
     short_conv: int = 4  # width of a causal depthwise convolution on q, k, v (0: none)
     qk_norm: bool = False  # RMS-normalise q and k per head before the feature map
     eot_reset: bool = False  # an end-of-text token (id vocab_size − 1) starts the state afresh
-    shared_expert: int = 256  # d_ff of a dense expert every token uses beside the routed ones (0: none)
+    shared_expert: int = 0  # d_ff of a dense expert every token uses beside the routed ones (0: none)
     expert_init_std: float = 0.02  # std of the experts' output factors (U2/W2) is this / √(2·n_layers)
     n_experts: int = 4
     top_k: int = 2
@@ -177,10 +177,8 @@ _FIELD_CHECKS = {  # field → (what it must be, check)
 # across documents. Presets "original-<name>" are these at <name>'s dimensions.
 ORIGINAL = dict(attn_decay=1.0, attn_norm="denominator", attn_gate=False, short_conv=0, qk_norm=False,
                 eot_reset=False, shared_expert=0, expert_init_std=0.02)
-# The default: the levers the ablation keeps (notebooks/06_architecture.ipynb, results/architecture_cpu.csv),
-# with a shared expert of SHARED_EXPERT_RATIO·d_model (the values below are palier0's).
+# The default: the levers the ablation keeps (notebooks/06_architecture.ipynb, results/architecture_*_cpu.csv).
 RECIPE = {f.name: f.default for f in fields(FractusConfig) if f.name in ORIGINAL}
-SHARED_EXPERT_RATIO = 2
 
 # The dimensions of each size ("palier": a rung of the growth ladder, each one grown from the last).
 DIMS = {  # d_model, n_heads, n_layers, n_experts, expert_d_ff, expert_rank, n_oscillators, coupling_rank, vocab
@@ -199,8 +197,7 @@ def _dims(d, h, layers, e, f, r, n_osc, k_rank, vocab):
                 chunk_len=32)
 
 
-PRESETS = {**{name: {**_dims(*dims), **RECIPE, "shared_expert": SHARED_EXPERT_RATIO * dims[0]}
-              for name, dims in DIMS.items()},
+PRESETS = {**{name: {**_dims(*dims), **RECIPE} for name, dims in DIMS.items()},
            **{f"original-{name}": {**_dims(*dims), **ORIGINAL} for name, dims in DIMS.items()}}
 
 

@@ -73,7 +73,7 @@ VARIANTS = [("linear-router", dict(router="linear"), {}), ("dense-experts", dict
             ("per-level-decay", dict(attn_decay=(0.9, 0.95, 0.8, 0.85)),
              dict(attn_decay=(0.9, 0.95, 0.7, 0.6, 0.8, 0.85, 0.99, 1.0))),
             ("shared-expert", dict(shared_expert=20), dict(shared_expert=40)),
-            ("shared-expert-added", dict(shared_expert=0), dict(shared_expert=24)),
+            ("shared-expert-added", {}, dict(shared_expert=24)),
             ("eot-reset-conv2", dict(eot_reset=True, short_conv=2), {}),
             ("rms-no-gate-qk-norm", dict(attn_norm="rms", attn_gate=False, qk_norm=True), {}),
             ("original", dict(ORIGINAL), dict(ORIGINAL))]

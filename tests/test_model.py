@@ -139,7 +139,7 @@ def test_1b_parameter_count():
             model = FractusCTE(FractusConfig.preset(name))
         counts[name] = (model.num_params(), model.num_params(active=True), model.num_params(active=True, embedding=False))
     assert counts["original-1b"] == (1_048_961_456, 183_464_432, 119_135_472), counts
-    assert counts["1b"] == (1_180_361_136, 314_864_112, 250_535_152), counts
+    assert counts["1b"] == (1_075_442_096, 209_945_072, 145_616_112), counts
 
 
 def test_presets_and_spec_constants():
@@ -147,9 +147,8 @@ def test_presets_and_spec_constants():
         c, o = FractusConfig.preset(name), FractusConfig.preset(f"original-{name}")
         assert c.d_head == 64 and c.n_levels == 2 and c.top_k == 2 and c.chunk_len == 32
         assert {k: getattr(o, k) for k in model_mod.ORIGINAL} == model_mod.ORIGINAL
-        assert {k: getattr(c, k) for k in model_mod.RECIPE if k not in ("attn_decay", "shared_expert")} == {
-            k: v for k, v in model_mod.RECIPE.items() if k not in ("attn_decay", "shared_expert")}
-        assert c.shared_expert == model_mod.SHARED_EXPERT_RATIO * c.d_model
+        assert {k: getattr(c, k) for k in model_mod.RECIPE if k != "attn_decay"} == {
+            k: v for k, v in model_mod.RECIPE.items() if k != "attn_decay"}
         assert c.decays == model_mod.multiscale_decays(c.n_heads, c.n_levels) and o.decays == (1.0,) * c.n_heads
         assert {k: v for k, v in dataclasses.asdict(c).items() if k not in model_mod.ORIGINAL} == {
             k: v for k, v in dataclasses.asdict(o).items() if k not in model_mod.ORIGINAL}  # the same dimensions

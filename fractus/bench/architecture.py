@@ -28,8 +28,8 @@ LEVER_NAMES = {"attn_decay": "multi-scale decay", "attn_norm": "RMSNorm read-out
                "attn_gate": "swish output gate", "short_conv": "short convolution", "qk_norm": "RMS-normalised q, k",
                "shared_expert": "shared expert", "expert_init_std": "expert output init",
                "eot_reset": "state reset at end of text"}
-# Levers tried beside the recipe and not kept: the value each is tried with.
-TRIED = {"attn_norm": "rms", "qk_norm": True, "eot_reset": True}
+# Levers tried beside the recipe and not kept: the value each is tried with ("2d": twice d_model).
+TRIED = {"attn_norm": "rms", "qk_norm": True, "eot_reset": True, "shared_expert": "2d"}
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ def variants(preset: str = "palier0", tried: dict = TRIED, parts: bool = True) -
     out.append(Variant("recipe (default)", "recipe", preset=preset))
     out += [Variant(f"recipe − {LEVER_NAMES[k]}", "recipe −", preset=preset, changes=((k, ORIGINAL[k]),))
             for k in levers]
-    out += [Variant(f"recipe + {LEVER_NAMES[k]}", "recipe +", preset=preset, changes=((k, v),))
+    d = FractusConfig.preset(preset).d_model
+    out += [Variant(f"recipe + {LEVER_NAMES[k]}", "recipe +", preset=preset, changes=((k, 2 * d if v == "2d" else v),))
             for k, v in tried.items() if k not in levers]
     if parts:
         out += [Variant("recipe, one level", "parts", preset=preset, changes=(("n_levels", 1),)),
