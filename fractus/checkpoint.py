@@ -112,6 +112,19 @@ def check_finite(state: dict, source="checkpoint") -> None:
                               f"e.g. {bad[:3]}")
 
 
+def model_from_checkpoint(ckpt: dict, path, model_cls, cfg_cls, backend: str | None = None) -> torch.nn.Module:
+    """``model_cls(cfg_cls.from_dict(ckpt["config"]))`` with the checkpoint's weights; ``backend``
+    replaces the kernels' backend it was saved with. CheckpointError naming ``path`` for a config
+    that is not a valid one, or weights that do not fit it."""
+    try:
+        cfg = cfg_cls.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
+    model = model_cls(cfg)
+    load_model_state(model, ckpt["model"], path)
+    return model
+
+
 def load_model_state(model: torch.nn.Module, state: dict, source="checkpoint") -> None:
     """``load_state_dict`` that names every missing, unexpected or mis-shaped tensor."""
     model.load_state_dict(check_model_state(model, state, source))

@@ -678,17 +678,11 @@ class FractusCTE(nn.Module):
         """The model of a Fractus CTE checkpoint, on the CPU (``.to(device)`` moves it); ``backend``
         replaces the kernels' backend it was saved with (a run setting, e.g. 'triton' from a GPU).
         :func:`fractus.registry.load_model` reads any model's checkpoint."""
-        from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
+        from fractus.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
         ckpt = load_checkpoint(path)
         if ckpt.get("arch", "cte") != "cte":
             raise CheckpointError(f"{path} holds a {ckpt['arch']!r} model, not a Fractus CTE")
-        try:
-            cfg = FractusConfig.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})})
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
-        model = cls(cfg)
-        load_model_state(model, ckpt["model"], path)
-        return model
+        return model_from_checkpoint(ckpt, path, cls, FractusConfig, backend)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from fractus.baseline import GPT, GPTConfig
-from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
+from fractus.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from fractus.model import FractusConfig, FractusCTE
 
 MODELS = {"cte": (FractusCTE, FractusConfig), "gpt": (GPT, GPTConfig)}
@@ -19,11 +19,4 @@ def load_model(path, backend: str | None = None) -> nn.Module:
     arch = ckpt.get("arch", "cte")
     if arch not in MODELS:
         raise CheckpointError(f"{path}: unknown model kind 'arch' {arch!r}; expected one of {sorted(MODELS)}")
-    model_cls, cfg_cls = MODELS[arch]
-    try:
-        cfg = cfg_cls.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})})
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
-    model = model_cls(cfg)
-    load_model_state(model, ckpt["model"], path)
-    return model
+    return model_from_checkpoint(ckpt, path, *MODELS[arch], backend)
