@@ -104,15 +104,33 @@ def train_variant(v: Variant, data, tokens: int, seed: int, threads: int = 1) ->
             "wall_s": wall, "threads": threads}
 
 
+def trained_tokens(tokens: int) -> int:
+    """The tokens a run asked for ``tokens`` trains on: whole optimizer steps of STEP_TOKENS."""
+    return -(-tokens // STEP_TOKENS) * STEP_TOKENS
+
+
 def run(vs: list[Variant], data, tokens: int, seeds=(0, 1, 2), csv: Path | None = None, workers: int = 2,
         threads: int = 1, log=print) -> pd.DataFrame:
     """Every variant from every seed, in ``workers`` fresh processes of ``threads`` threads each
     (each run beside as many others, so that their speeds compare), seed by seed; each row
-    appended to ``csv`` with its provenance as it finishes. Returns the rows in job order."""
+    appended to ``csv`` with its provenance as it finishes. A (variant, seed) whose row for the
+    same changes and tokens is already in ``csv`` is kept rather than trained again, so that an
+    interrupted ablation resumes; delete ``csv`` to start afresh. Returns the rows in job order."""
     jobs = [(v, seed) for seed in seeds for v in vs]
     rows: dict[int, dict] = {}
+    done = {}
+    if csv is not None and Path(csv).exists():
+        for r in pd.read_csv(csv, keep_default_na=False).to_dict("records"):
+            done[(r["variant"], r["model"], r["preset"], r["changes"], int(r["seed"]), int(r["tokens"]))] = r
+    for i, (v, seed) in enumerate(jobs):
+        key = (v.name, v.model, v.preset, ";".join(f"{k}={_cli(x)}" for k, x in v.changes), seed, trained_tokens(tokens))
+        if key in done:
+            rows[i] = done[key]
+    if rows:
+        log(f"{len(rows)} of {len(jobs)} runs kept from {csv}")
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(train_variant, v, data, tokens, seed, threads): i for i, (v, seed) in enumerate(jobs)}
+        futures = {pool.submit(train_variant, v, data, tokens, seed, threads): i
+                   for i, (v, seed) in enumerate(jobs) if i not in rows}
         for fut in as_completed(futures):
             r = rows[futures[fut]] = fut.result()
             if csv is not None:

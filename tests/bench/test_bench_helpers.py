@@ -379,3 +379,21 @@ def test_clock_launch_counts_per_path():
     more = P.clock_ops(FractusConfig.preset("palier0", kuramoto_steps=2 * cfg.kuramoto_steps))
     assert 2 <= n["triton"] < n["torch"] < n["reference"], n
     assert more["triton"] == n["triton"] and more["reference"] > n["reference"] and more["torch"] > n["torch"]
+
+
+# ------------------------------------------------------------------------------ architecture ablation
+def test_ablation_keeps_the_rows_already_measured(tmp_path):
+    """A rerun keeps each (variant, seed) already in the CSV for the same changes and tokens and
+    trains only what is missing (here nothing: no worker is needed, and no data)."""
+    from fractus.bench import architecture as A
+    from fractus.records import append_csv
+    vs = A.variants("tiny")[:2]
+    csv = tmp_path / "ablation.csv"
+    for v in vs:
+        append_csv(csv, {"variant": v.name, "group": v.group, "model": v.model, "preset": v.preset,
+                         "changes": ";".join(f"{k}={A._cli(x)}" for k, x in v.changes), "seed": 0,
+                         "tokens": A.trained_tokens(5000), "val_ce": 5.0 + len(v.changes), "train_s": 1.0})
+    rows = A.run(vs, tmp_path / "no-data", 5000, seeds=(0,), csv=csv, workers=1, log=lambda s: None)
+    assert rows["variant"].tolist() == [v.name for v in vs] and rows["val_ce"].tolist() == [5.0, 6.0]
+    with pytest.raises(Exception):  # another token count is not the same run: it trains, and finds no data
+        A.run(vs[:1], tmp_path / "no-data", 9000, seeds=(0,), csv=csv, workers=1, log=lambda s: None)
