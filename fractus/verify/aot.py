@@ -143,8 +143,9 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
 
 def _run_linear_attention(dtype):
     """The chunked path forward and backward (the loss on the final state too, or on the output
-    alone as in training and the timings; at B=1, an integer Triton specialises), its forward
-    without gradients, and the decode kernel."""
+    alone as in training and the timings; at B=1, an integer Triton specialises; a decay per
+    (level, head) with and without the denominator), its forward without gradients, and the
+    decode kernel (with and without the denominator)."""
     from fractus.bench.linear_attention import make_inputs
     from fractus.kernels import linear_attention as la
     from fractus.model import level_omegas
@@ -155,12 +156,16 @@ def _run_linear_attention(dtype):
         q, k, v, w, g, st = make_inputs(B, T, H, D, Lv, decay=carried, state=carried, dtype=dtype)
         o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
         (o.float().sum() + (S.sum() + z.sum() if on_state else 0)).backward()
+    for normalize, on_state in ((True, True), (False, True), (False, False)):  # a decay per (level, head)
+        q, k, v, w, g, st = make_inputs(2, 300, 3, D, Lv, decay="level", state=True, dtype=dtype)
+        o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
+        (o.float().sum() + (S.sum() + z.sum() if on_state else 0)).backward()
     for T in (512, 2048):  # the forward alone, with a chunk count divisible by 16 and one not
         q, k, v, w, g, st = make_inputs(2, T, H, D, Lv, dtype=dtype, grad=False)
         la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
-    for T in (1, 5):  # decode: one token and a short prefix, with a carried state
+    for T, normalize in ((1, True), (5, True), (1, False)):  # decode: one token and a short prefix
         q, k, v, w, g, st = make_inputs(2, T, H, D, Lv, state=True, dtype=dtype, grad=False)
-        la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
+        la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
 
 
 def _run_moe(dtype):
