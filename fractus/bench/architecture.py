@@ -44,6 +44,11 @@ class Variant:
     chunk_len: int = 64
     batch_size: int = 32  # streams; accumulation: STEP_TOKENS / (batch_size · chunk_len)
 
+    @property
+    def changes_cli(self) -> str:
+        """``changes`` as one string, field=value;… (the ablation CSV's ``changes`` column)."""
+        return ";".join(f"{k}={_cli(v)}" for k, v in self.changes)
+
     def argv(self, data, out, tokens: int, seed: int, threads: int) -> list[str]:
         """The trainer's command line for this variant."""
         accum = max(1, STEP_TOKENS // (self.batch_size * self.chunk_len))
@@ -98,7 +103,7 @@ def train_variant(v: Variant, data, tokens: int, seed: int, threads: int = 1) ->
         last = train(v.argv(data, Path(out) / "run", tokens, seed, threads))
         wall = time.perf_counter() - t0
     return {"variant": v.name, "group": v.group, "model": v.model, "preset": v.preset,
-            "changes": ";".join(f"{k}={_cli(x)}" for k, x in v.changes), "seed": seed, "tokens": last["tokens"],
+            "changes": v.changes_cli, "seed": seed, "tokens": last["tokens"],
             "chunk_len": v.chunk_len, "batch_size": v.batch_size, "val_ce": last["val_ce"], "val_bpb": last["val_bpb"],
             "val_ppl": last["val_ppl"], "train_s": last["elapsed_s"], "tok_s": last["tokens"] / last["elapsed_s"],
             "wall_s": wall, "threads": threads}
@@ -123,7 +128,7 @@ def run(vs: list[Variant], data, tokens: int, seeds=(0, 1, 2), csv: Path | None 
         for r in pd.read_csv(csv, keep_default_na=False).to_dict("records"):
             done[(r["variant"], r["model"], r["preset"], r["changes"], int(r["seed"]), int(r["tokens"]))] = r
     for i, (v, seed) in enumerate(jobs):
-        key = (v.name, v.model, v.preset, ";".join(f"{k}={_cli(x)}" for k, x in v.changes), seed, trained_tokens(tokens))
+        key = (v.name, v.model, v.preset, v.changes_cli, seed, trained_tokens(tokens))
         if key in done:
             rows[i] = done[key]
     if rows:

@@ -391,9 +391,9 @@ def test_ablation_keeps_the_rows_already_measured(tmp_path):
     csv = tmp_path / "ablation.csv"
     for v in vs:
         append_csv(csv, {"variant": v.name, "group": v.group, "model": v.model, "preset": v.preset,
-                         "changes": ";".join(f"{k}={A._cli(x)}" for k, x in v.changes), "seed": 0,
+                         "changes": v.changes_cli, "seed": 0,
                          "tokens": A.trained_tokens(5000), "val_ce": 5.0 + len(v.changes), "train_s": 1.0})
     rows = A.run(vs, tmp_path / "no-data", 5000, seeds=(0,), csv=csv, workers=1, log=lambda s: None)
     assert rows["variant"].tolist() == [v.name for v in vs] and rows["val_ce"].tolist() == [5.0, 6.0]
-    with pytest.raises(Exception):  # another token count is not the same run: it trains, and finds no data
+    with pytest.raises(FileNotFoundError, match="meta.json"):  # another token count: it trains, and finds no data
         A.run(vs[:1], tmp_path / "no-data", 9000, seeds=(0,), csv=csv, workers=1, log=lambda s: None)
