@@ -83,14 +83,19 @@ ORIGINAL_LEVERS = dict(head_positions="last", detach_kuramoto=True)  # two lever
 
 def cpu_rows(smoke: bool = False, runs: int = 3) -> list[dict]:
     """Each target in the project's default setting (every position supervised, the clock
-    trained); then palier0 with the original's head-partial and detached clock for comparison
-    with its figures (no target). Every case is measured in ``runs`` separate processes, as
-    training runs (the cases taken in turn, so a drift of the shared machine's speed reaches
-    all of them); ``tok_s`` is the median over runs of each run's median step, the target is
-    judged on it, ``tok_s_runs`` lists the runs. ``matmul_gflops_start`` / ``_end``: this
-    CPU's fp32 matmul speed before and after all runs."""
+    trained); the same cases for the original architecture (presets ``original-<name>``, no
+    target), so that ``vs_original``, a default row's tok/s over its original's from the same
+    run, says what the default's levers cost in speed whatever this machine's speed today; then
+    original-palier0 with the original's head-partial and detached clock, for comparison with
+    its published figures. Every case is measured in ``runs`` separate processes, as training
+    runs (the cases taken in turn, so a drift of the shared machine's speed reaches all of
+    them); ``tok_s`` is the median over runs of each run's median step, the target is judged on
+    it, ``tok_s_runs`` lists the runs. ``matmul_gflops_start`` / ``_end``: this CPU's fp32
+    matmul speed before and after all runs."""
     from fractus.bench.costmodel import cpu_ceilings
-    cases = [(p, v, t, {}) for p, v, t in CPU_TARGETS] + [("palier0", v, None, ORIGINAL_LEVERS) for v in (50257, 8192)]
+    cases = ([(p, v, t, {}) for p, v, t in CPU_TARGETS]
+             + [(f"original-{p}", v, None, {}) for p, v, _ in CPU_TARGETS]
+             + [("original-palier0", v, None, ORIGINAL_LEVERS) for v in (50257, 8192)])
     runs = 1 if smoke else runs
     n = 512 if smoke else 1024
     start = cpu_ceilings(n=n)["matmul_flops"] / 1e9
@@ -116,4 +121,9 @@ def cpu_rows(smoke: bool = False, runs: int = 3) -> list[dict]:
                  meets_target=None if target is None else r["tok_s"] >= target,
                  matmul_gflops_start=start, matmul_gflops_end=end)
         rows.append(r)
+    key = lambda r: (r["preset"].removeprefix("original-"), r["vocab_size"], r["head_positions"], r["detach_kuramoto"])
+    originals = {key(r): r["tok_s"] for r in rows if r["preset"].startswith("original-")}
+    for r in rows:
+        if not r["preset"].startswith("original-"):
+            r["vs_original"] = r["tok_s"] / originals[key(r)]
     return rows

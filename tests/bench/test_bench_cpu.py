@@ -22,3 +22,7 @@ def test_bench_cpu_writes_every_subjects_csv(tmp_path):
         assert t[["machine", "device", "torch", "git_sha", "date"]].notna().all().all(), name
         if "dtype" in t:  # torch's names, as every CSV writes them (common.dtype_name)
             assert set(t["dtype"]) <= {"float32", "float16", "bfloat16"}, (name, set(t["dtype"]))
+    train = pd.read_csv(tmp_path / "train_cpu.csv")  # each default case beside its original, same run
+    default = train[~train["preset"].str.startswith("original-")]
+    assert {f"original-{p}" for p in default["preset"]} <= set(train["preset"]), train["preset"].tolist()
+    assert default["vs_original"].notna().all() and (default["vs_original"] > 0).all(), default["vs_original"]
