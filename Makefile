@@ -30,7 +30,7 @@ $(DATA)/meta.json: | setup
 	$(BIN)/python -m fractus.data prepare --input shakespeare --out $(DATA) --vocab 8192
 
 # make demo's setting: 32 streams of 64 positions, 2,048 tokens a step; the transformer baseline
-# (make baseline) reads 16 streams of 128 positions, the same 2,048 tokens a step, the same 3 M tokens
+# (make baseline) reads 8 windows of 256 positions, the same 2,048 tokens a step, the same 3 M tokens
 STREAMS ?= --batch-size 32 --chunk-len 64 --accum 1
 demo: setup $(DATA)/meta.json
 	rm -rf $(RUN)
@@ -39,8 +39,8 @@ demo: setup $(DATA)/meta.json
 BASELINE ?= runs/baseline
 baseline: setup $(DATA)/meta.json
 	rm -rf $(BASELINE)
-	$(BIN)/python -m fractus.train --model gpt --preset palier0 --data $(DATA) --out $(BASELINE) --tokens $(TOKENS) \
-	  --batch-size 16 --chunk-len 128 --accum 1
+	$(BIN)/python -m fractus.train --model transformer --preset palier0 --data $(DATA) --out $(BASELINE) --tokens $(TOKENS) \
+	  --batch-size 8 --chunk-len 256 --accum 1
 
 # README's demo figures measured again, side by side: make demo's run and the transformer's, their
 # metrics with provenance (results/demo_metrics.csv) and both checkpoints on the validation split
@@ -50,7 +50,7 @@ demo-results: demo baseline
 	$(BIN)/python -m fractus.records $(BASELINE) --out results/baseline_metrics.csv --label "make baseline ($(BASELINE))" --force
 	rm -f results/demo_eval.csv
 	$(BIN)/python -m fractus.evaluate $(RUN)/ckpt.pt --data $(DATA) --streams 32 --chunk-len 64 --csv results/demo_eval.csv
-	$(BIN)/python -m fractus.evaluate $(BASELINE)/ckpt.pt --data $(DATA) --streams 16 --chunk-len 128 --csv results/demo_eval.csv
+	$(BIN)/python -m fractus.evaluate $(BASELINE)/ckpt.pt --data $(DATA) --streams 8 --chunk-len 256 --csv results/demo_eval.csv
 
 # one worker per core; a file's tests on one worker (a notebook's cells in order, a module's fixtures made once)
 test: setup

@@ -1,13 +1,15 @@
-"""A softmax-attention transformer to measure the Fractus CTE against (nanoGPT-like).
+"""Transformer++: the softmax-attention transformer the Fractus CTE is measured against.
 
-Learned positions, pre-norm blocks of causal multi-head softmax attention and a GELU MLP (4·d),
-a final LayerNorm and a head tied to the embedding. It carries no state: each chunk of
-``context`` tokens is read on its own. Its interface is the CTE's (``forward(idx, state, targets,
-head_positions)`` → (logits, parts, state), ``generate``, ``save``/``load``), so the trainer,
-the evaluation and the sampler serve both (``python -m fractus.train --model gpt …``); its loss
-is the same fused tied-head cross-entropy.
+The baseline of the linear-attention literature (RetNet, GLA, DeltaNet, Mamba): pre-norm blocks of
+causal multi-head softmax attention with rotary positions (RoPE) and a SwiGLU MLP, RMSNorm, no
+biases, a final RMSNorm and a head tied to the embedding; Llama's / GPT-2's initialisation. It
+carries no state: it reads at most ``context`` tokens at a time, and is scored on a split with
+sliding windows (:func:`fractus.train.evaluate`). Its interface is the CTE's (``forward(idx, state,
+targets, head_positions)`` → (logits, parts, state), ``generate``, ``save``), so the trainer, the
+evaluation and the sampler serve both (``python -m fractus.train --model transformer …``); its loss is
+the same fused tied-head cross-entropy.
 
-Shapes: B sequences, T ≤ context positions, d = d_model, H heads, V vocabulary.
+Shapes: B sequences, T ≤ context positions, d = d_model, H heads of D = head_dim, V vocabulary.
 """
 from __future__ import annotations
 
@@ -20,36 +22,44 @@ import torch.nn.functional as F
 
 from fractus.kernels.backend import BACKENDS
 from fractus.kernels.cross_entropy import linear_cross_entropy
-from fractus.model import sample
+from fractus.model import check_token_ids, prompt_tensor, sample
 
 
 @dataclass
-class GPTConfig:
+class TransformerConfig:
     vocab_size: int = 8192
     d_model: int = 128
-    n_heads: int = 2
+    head_dim: int = 32  # heads: d_model / head_dim
     n_layers: int = 2
-    context: int = 128  # positions of the learned position table: the longest chunk it reads
-    mlp_ratio: int = 4
+    context: int = 256  # the longest sequence it reads (training chunk, evaluation window)
+    d_ff: int = 0  # SwiGLU hidden width; 0: 8/3·d_model rounded up to a multiple of 8
+    rope_base: float = 10000.0
     backend: str = "auto"  # the cross-entropy kernel's backend
 
     def __post_init__(self):
-        bad = [f"{f.name} must be an integer ≥ 1, got {getattr(self, f.name)!r}" for f in fields(self)
-               if f.name != "backend" and not (isinstance(getattr(self, f.name), int)
-                                               and not isinstance(getattr(self, f.name), bool)
-                                               and getattr(self, f.name) >= 1)]
+        bad = [f"{f.name} must be an integer ≥ {1 - (f.name == 'd_ff')}, got {getattr(self, f.name)!r}"
+               for f in fields(self) if f.type == "int" and not _int_at_least(getattr(self, f.name), f.name != "d_ff")]
+        if not (isinstance(self.rope_base, (int, float)) and not isinstance(self.rope_base, bool)
+                and math.isfinite(self.rope_base) and self.rope_base > 1):
+            bad.append(f"rope_base must be a finite number > 1, got {self.rope_base!r}")
         if self.backend not in BACKENDS:
             bad.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not bad and self.d_model % self.n_heads:
-            bad.append(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
+        if not bad and (self.d_model % self.head_dim or self.head_dim % 2):
+            bad.append(f"d_model {self.d_model} must be a multiple of head_dim {self.head_dim}, itself even (RoPE)")
         if bad:
             raise ValueError("bad config: " + "; ".join(bad))
+        if self.d_ff == 0:  # ⌈(8/3·d) / 8⌉ · 8
+            self.d_ff = -(-self.d_model // 3) * 8
+
+    @property
+    def n_heads(self) -> int:
+        return self.d_model // self.head_dim
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
+    def from_dict(cls, d: dict) -> "TransformerConfig":
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -57,50 +67,75 @@ class GPTConfig:
         return cls(**d)
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+def _int_at_least(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d] → [B, T, d]."""
+
+def rope_tables(T: int, D: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D/2] of the rotation angle t·base^(−2i/D) at positions 0 … T−1."""
+    inv = base ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+    angle = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv
+    return angle.cos(), angle.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D] with each pair (x_i, x_{i+D/2}) rotated by its angle (cos, sin [T, D/2])."""
+    a, b = x.float().chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] → [B, T, d]: causal softmax attention, q and k rotated by position."""
         B, T, d = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(B, T, d))
 
 
-class GPTBlock(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        d = cfg.d_model
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(d, cfg.mlp_ratio * d), nn.GELU(), nn.Linear(cfg.mlp_ratio * d, d))
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] → down(silu(x W_gate) ⊙ x W_up) [B, T, d]."""
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
-class GPT(nn.Module):
-    """Token ids [B, T] → logits [B, T, V]; GPT-2's initialisation (N(0, 0.02²), residual
-    projections N(0, 0.02²/(2·n_layers)), zero biases)."""
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.norm_attn, self.norm_mlp = nn.RMSNorm(cfg.d_model, eps=1e-6), nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg)
 
-    def __init__(self, cfg: GPTConfig):
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.norm_attn(x), cos, sin)
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class Transformer(nn.Module):
+    """Token ids [B, T] → logits [B, T, V]. Every matrix N(0, 0.02²), the residual projections
+    (attention's out, the MLP's down) N(0, 0.02²/(2·n_layers)); RMSNorm scales 1."""
+
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = nn.RMSNorm(cfg.d_model, eps=1e-6)
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() >= 2:
-                residual = name.endswith("attn.out.weight") or name.endswith("mlp.2.weight")
+            if p.dim() >= 2:
+                residual = name.endswith(("attn.out.weight", "mlp.down.weight"))
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers) if residual else 0.02)
 
     def num_params(self, active: bool = False, embedding: bool = True) -> int:
@@ -120,19 +155,22 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, state=None, targets: torch.Tensor | None = None,
                 head_positions: str = "all"):
-        """idx [B, T] (T ≤ context) → (logits [B, T, V] or None with targets, parts, None); parts as
-        :meth:`fractus.model.FractusCTE.forward`'s (``lb`` 0, no routing). ``state`` is ignored."""
-        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must be a [B, T] int64 (or int32) tensor of token ids, got {idx!r:.60}")
+        """idx [B, T] (T ≤ context) → (logits [B, T, V], or None with targets; parts; None). parts as
+        :meth:`fractus.model.FractusCTE.forward`'s (``lb`` 0, no routing); ``state`` must be None
+        (this model carries none)."""
+        check_token_ids(idx, self.cfg.vocab_size)
         B, T = idx.shape
         if not 1 <= T <= self.cfg.context:
             raise ValueError(f"the transformer reads 1 to {self.cfg.context} positions at a time, got {T}")
+        if state is not None:
+            raise ValueError("the transformer carries no state: pass state=None")
         if head_positions != "all":
             raise ValueError("the transformer supervises every position (head_positions='all')")
-        h = self.embed(idx) + self.pos.weight[:T]
+        cos, sin = rope_tables(T, self.cfg.head_dim, self.cfg.rope_base, idx.device)
+        h = self.embed(idx)
         for block in self.blocks:
-            h = block(h)
-        h = self.ln_f(h)
+            h = block(h, cos, sin)
+        h = self.norm_f(h)
         parts = {"lb": h.new_zeros((), dtype=torch.float32), "routing": [], "loss": None, "ce": None, "n": 0}
         if targets is None:
             return F.linear(h, self.embed.weight), parts, None
@@ -148,15 +186,16 @@ class GPT(nn.Module):
     def save(self, path, **extra) -> None:
         """Write config + weights (+ ``extra`` entries) atomically; :func:`fractus.registry.load_model` reads it."""
         from fractus.checkpoint import save_checkpoint
-        save_checkpoint(path, {"arch": "gpt", "config": self.cfg.to_dict(), "model": self.state_dict(), **extra})
+        save_checkpoint(path, {"arch": "transformer", "config": self.cfg.to_dict(), "model": self.state_dict(),
+                               **extra})
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, repetition_penalty: float = 1.0, seed: int | None = None) -> list[int]:
-        """As :meth:`fractus.model.FractusCTE.generate`, reading the last ``context`` tokens at each step."""
-        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=self.embed.weight.device)
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError("generate takes one non-empty sequence of token ids")
+        """As :meth:`fractus.model.FractusCTE.generate` (the same checks), reading the last
+        ``context`` tokens at each step."""
+        ids = prompt_tensor(prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+                            self.cfg.vocab_size, self.embed.weight.device)
         gen = torch.Generator(device=ids.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()
         was = self.training

@@ -526,13 +526,7 @@ class FractusCTE(nn.Module):
     # -- forward ------------------------------------------------------------------------
     def check_tokens(self, idx: torch.Tensor) -> None:
         """Raise ValueError unless idx is a [B, T] int64 (or int32) tensor of ids in [0, vocab_size)."""
-        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
-            got = f"shape {tuple(idx.shape)} {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
-            raise ValueError(f"idx must be a [B, T] int64 (or int32) tensor of token ids, got {got}")
-        if idx.numel():
-            lo, hi = torch.stack(torch.aminmax(idx)).tolist()  # one device sync
-            if lo < 0 or hi >= self.cfg.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got min {lo}, max {hi}")
+        check_token_ids(idx, self.cfg.vocab_size)
 
     def run_blocks(self, x: torch.Tensor, state: State | None, resets: torch.Tensor | None = None):
         """x [B, T, d], resets [B, T] bool or None → (final normed hidden [B, T, d], new state, lb total,
@@ -633,22 +627,8 @@ class FractusCTE(nn.Module):
         0 is greedy. repetition_penalty > 1 divides positive (multiplies negative) logits of tokens
         already in the context. Returns the max_new_tokens new ids as a list[int].
         """
-        ids = torch.as_tensor(prompt_ids if torch.is_tensor(prompt_ids) else list(prompt_ids))
-        if ids.dim() != 1 or ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
-            raise ValueError(f"generate takes one sequence of integer token ids (a list or a [T] tensor), "
-                             f"got shape {tuple(ids.shape)} {ids.dtype}")
-        if not _finite(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
-        if top_k is not None and not (_finite(top_k, numbers.Integral) and top_k >= 1):
-            raise ValueError(f"top_k must be an integer ≥ 1 or None, got {top_k!r}")
-        ids = ids.to(device=self.embed.weight.device, dtype=torch.long)
-        if ids.numel() == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if not 0 <= temperature < math.inf:
-            raise ValueError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature}")
-        if top_p is not None and not 0 < top_p <= 1 or not 0 < repetition_penalty < math.inf:
-            raise ValueError(f"need top_p in (0, 1] or None and a finite repetition_penalty > 0; "
-                             f"got {top_p}, {repetition_penalty}")
+        ids = prompt_tensor(prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+                            self.cfg.vocab_size, self.embed.weight.device)
         gen = torch.Generator(device=ids.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()  # seed None: fresh, global RNG untouched
         was_training = self.training
@@ -683,6 +663,42 @@ class FractusCTE(nn.Module):
         if ckpt.get("arch", "cte") != "cte":
             raise CheckpointError(f"{path} holds a {ckpt['arch']!r} model, not a Fractus CTE")
         return model_from_checkpoint(ckpt, path, cls, FractusConfig, backend)
+
+
+def check_token_ids(idx, vocab_size: int) -> None:
+    """Raise ValueError unless idx is a [B, T] int64 (or int32) tensor of ids in [0, vocab_size):
+    every model's input check."""
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+        got = f"shape {tuple(idx.shape)} {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ValueError(f"idx must be a [B, T] int64 (or int32) tensor of token ids, got {got}")
+    if idx.numel():
+        lo, hi = torch.stack(torch.aminmax(idx)).tolist()  # one device sync
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"token ids must lie in [0, {vocab_size}); got min {lo}, max {hi}")
+
+
+def prompt_tensor(prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, vocab_size: int,
+                  device) -> torch.Tensor:
+    """Every model's ``generate`` arguments checked (ValueError naming the bad one); the prompt as a
+    [T] int64 tensor on ``device``."""
+    ids = torch.as_tensor(prompt_ids if torch.is_tensor(prompt_ids) else list(prompt_ids))
+    if ids.dim() != 1 or ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise ValueError(f"generate takes one sequence of integer token ids (a list or a [T] tensor), "
+                         f"got shape {tuple(ids.shape)} {ids.dtype}")
+    if not _finite(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
+    if top_k is not None and not (_finite(top_k, numbers.Integral) and top_k >= 1):
+        raise ValueError(f"top_k must be an integer ≥ 1 or None, got {top_k!r}")
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be finite and ≥ 0 (0 = greedy), got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1 or not 0 < repetition_penalty < math.inf:
+        raise ValueError(f"need top_p in (0, 1] or None and a finite repetition_penalty > 0; "
+                         f"got {top_p}, {repetition_penalty}")
+    ids = ids.to(device=device, dtype=torch.long)
+    check_token_ids(ids.view(1, -1), vocab_size)
+    return ids
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

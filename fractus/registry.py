@@ -1,15 +1,15 @@
 """The models the trainer builds and every tool loads, by kind: "cte" (:class:`fractus.model.FractusCTE`)
-and "gpt" (the transformer baseline, :class:`fractus.baseline.GPT`). A checkpoint records its kind as
+and "transformer" (the Transformer++ baseline, :class:`fractus.baseline.Transformer`). A checkpoint records its kind as
 ``arch`` (absent: "cte")."""
 from __future__ import annotations
 
 import torch.nn as nn
 
-from fractus.baseline import GPT, GPTConfig
+from fractus.baseline import Transformer, TransformerConfig
 from fractus.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from fractus.model import FractusConfig, FractusCTE
 
-MODELS = {"cte": (FractusCTE, FractusConfig), "gpt": (GPT, GPTConfig)}
+MODELS = {"cte": (FractusCTE, FractusConfig), "transformer": (Transformer, TransformerConfig)}
 
 
 def load_model(path, backend: str | None = None) -> nn.Module:

@@ -22,7 +22,22 @@ import torch
 from fractus.checkpoint import CheckpointError, describe
 from fractus.model import FractusConfig
 
-DEFAULT_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}  # each optimizer's peak learning rate without --lr
+# AdamW's peak learning rate per model family, each the best of a sweep at make demo's setting
+# (results/compare_cpu.csv, notebook 06): the default CTE, the original architecture, the Transformer++
+ADAMW_LR = {"cte": 2e-3, "original": 2e-3, "transformer": 1.5e-3}
+DEFAULT_LR = {"sgd": 0.1, "adamw": ADAMW_LR["cte"], "rmsprop": 2e-3}  # each optimizer's peak learning rate
+
+
+def model_family(model: str | None, preset: str) -> str:
+    """"transformer", "original" (an ``original-*`` preset) or "cte"."""
+    return "transformer" if model == "transformer" else "original" if preset.startswith("original-") else "cte"
+
+
+def default_lr(optimizer: str, model: str | None, preset: str) -> float:
+    """The peak learning rate without --lr: AdamW's tuned per model family, the others' per optimizer."""
+    return ADAMW_LR[model_family(model, preset)] if optimizer == "adamw" else DEFAULT_LR[optimizer]
+
+
 # Arguments that must match when resuming: those that shape the run. The model's config is
 # compared as resolved (--set's overrides on the preset), except the backend.
 RESUME_KEYS = ("model", "preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "lr",
@@ -36,7 +51,7 @@ def run_settings(args: dict) -> dict:
     d = {k: args.get(k) for k in RESUME_KEYS}
     d["model"] = d["model"] or "cte"  # a checkpoint that records no model kind holds the CTE
     d["data"] = str(Path(d["data"]).resolve())
-    d["lr"] = DEFAULT_LR[d["optimizer"]] if d["lr"] is None else d["lr"]
+    d["lr"] = default_lr(d["optimizer"], d["model"], d["preset"]) if d["lr"] is None else d["lr"]
     d["lb_coef"] = FractusConfig.lb_coef if d["lb_coef"] is None else d["lb_coef"]
     d["bf16"] = torch.device(args["device"]).type == "cuda" if d["bf16"] is None else d["bf16"]
     return d

@@ -31,11 +31,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from fractus.allocator import keep_freed_memory
-from fractus.baseline import GPT, GPTConfig
+from fractus.baseline import Transformer, TransformerConfig
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
 from fractus.cli import device_name, natural, non_negative, number, positive_int
 from fractus.data import TokenStreams, load_meta, load_tokens
@@ -44,7 +45,7 @@ from fractus.grow import grow
 from fractus.kernels.backend import BACKENDS, check_available
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.records import provenance
-from fractus.resume import (DEFAULT_LR, check_against_run, check_settings, check_training_state, data_identity,
+from fractus.resume import (ADAMW_LR, DEFAULT_LR, check_against_run, check_settings, check_training_state, data_identity,
                             load_optimizer_state, run_settings)
 from fractus.runs import (RunInUse, append_metrics, check_metrics_record, planned_steps, record_final,
                           remove_leftover_temps, run_lock, truncate_metrics)
@@ -62,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fractus.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
-    a("--model", default="cte", choices=("cte", "gpt"),
-      help="the Fractus CTE, or the softmax-attention transformer it is measured against (fractus.baseline: "
-           "the preset's width, depth and heads, a context of --chunk-len, no carried state)")
+    a("--model", default="cte", choices=("cte", "transformer"),
+      help="the Fractus CTE, or the Transformer++ it is measured against (fractus.baseline: the preset's "
+           "width and depth, heads of 32, a context of --chunk-len, no carried state)")
     a("--preset", default="palier0", choices=sorted(PRESETS),
       help="the model's dimensions (README's table); its vocabulary is the data's")
     a("--data", required=True, help="directory written by `python -m fractus.data prepare`")
@@ -77,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--head-positions", default="all", choices=("all", "last"))
     a("--detach-kuramoto", action="store_true")
     a("--optimizer", default="adamw", choices=("sgd", "adamw", "rmsprop"))
-    a("--lr", type=rate, default=None, help=f"peak learning rate (default: {DEFAULT_LR})")
-    a("--weight-decay", type=rate, default=0.01)
+    a("--lr", type=rate, default=None, help=f"peak learning rate (default: AdamW's tuned per model, {ADAMW_LR}; "
+                                              f"SGD's {DEFAULT_LR['sgd']}, RMSprop's {DEFAULT_LR['rmsprop']})")
+    a("--weight-decay", type=rate, default=0.1, help="weight decay of the matrices (the embedding included; not gains or biases)")
     a("--warmup", type=natural, default=50, help="warm-up optimizer steps")
     a("--min-lr-ratio", type=number(float, lambda x: 0 <= x <= 1, "≥ 0 and ≤ 1"), default=0.1,
       help="cosine decay floor, as a fraction of --lr")
@@ -132,20 +134,20 @@ FLAG_FIELDS = {"chunk_len": "--chunk-len", "backend": "--backend", "detach_kuram
                "lb_coef": "--lb-coef"}
 
 
-def make_config(args, vocab_size: int) -> FractusConfig | GPTConfig:
+def make_config(args, vocab_size: int) -> FractusConfig | TransformerConfig:
     """The model's config: the preset with ``--set``'s overrides and the data's vocabulary (for
-    ``--model gpt``: the preset's d_model, n_heads and n_layers, a context of ``--chunk-len``)."""
+    ``--model transformer``: the preset's d_model and n_layers, a context of ``--chunk-len``)."""
     over = parse_overrides(args.set)
-    if args.model == "gpt":
+    if args.model == "transformer":
         cte_only = [flag for flag, on in (("--detach-kuramoto", args.detach_kuramoto), ("--lb-coef", args.lb_coef),
                                           ("--active-blocks", args.active_blocks), ("--grow-from", args.grow_from),
                                           ("--head-positions last", args.head_positions == "last")) if on]
         if cte_only:
-            raise ValueError(f"--model gpt has no {', '.join(cte_only)}: they are the Fractus CTE's")
+            raise ValueError(f"--model transformer has no {', '.join(cte_only)}: they are the Fractus CTE's")
         if "context" in over or "backend" in over:
             raise ValueError("set the transformer's context with --chunk-len and its backend with --backend, not --set")
-        dims = {k: PRESETS[args.preset][k] for k in ("d_model", "n_heads", "n_layers")}
-        return GPTConfig.from_dict({**dims, "vocab_size": vocab_size, **over, "context": args.chunk_len,
+        dims = {k: PRESETS[args.preset][k] for k in ("d_model", "n_layers")}
+        return TransformerConfig.from_dict({**dims, "vocab_size": vocab_size, **over, "context": args.chunk_len,
                                     "backend": args.backend})
     flagged = {k: FLAG_FIELDS[k] for k in over if k in FLAG_FIELDS}
     if flagged:
@@ -214,7 +216,7 @@ class Run:
     meta: dict  # the data directory's meta.json
     streams: TokenStreams  # this process's training streams; their position is the run's data position
     val_tokens: torch.Tensor
-    cfg: FractusConfig | GPTConfig
+    cfg: FractusConfig | TransformerConfig
     settings: dict  # run_settings: what a resume must match
     total_steps: int
     model: torch.nn.Module
@@ -285,8 +287,8 @@ def set_up(args: argparse.Namespace) -> Run:
         raise ValueError("--active-blocks must be ≤ n_layers, and is single-process only")
 
     torch.manual_seed(args.seed)
-    if args.model == "gpt":
-        model = GPT(cfg)
+    if args.model == "transformer":
+        model = Transformer(cfg)
     else:
         model = grow(args.grow_from, cfg) if args.grow_from and not args.resume else FractusCTE(cfg)
     model = model.to(device)
@@ -341,7 +343,7 @@ def resume_run(r: Run) -> Progress:
 
 def announce(r: Run) -> None:
     args = r.args
-    name = f"Fractus CTE {args.preset}" if args.model == "cte" else f"transformer baseline ({args.preset}'s dims)"
+    name = f"Fractus CTE {args.preset}" if args.model == "cte" else f"Transformer++ ({args.preset}'s width and depth)"
     print(f"{name}: {r.model.num_params():,} parameters "
           f"({r.model.num_params(active=True):,} active per token), vocab {r.cfg.vocab_size}, "
           f"{r.device}{' bf16' if r.bf16 else ''}, {r.world} process(es)")
@@ -435,7 +437,7 @@ def save(r: Run, p: Progress) -> None:
             "optimizer": r.opt.state_dict(), "scheduler": r.sched.state_dict(), "step": p.step,
             "data_position": r.streams.position, "states": states, "rng": rng_state(), "elapsed_s": p.elapsed,
             "counters": {"nan_run": p.nan_run, "skipped": p.skipped}, "ancestor": p.ancestor,
-            "args": {**vars(args), "data": r.settings["data"]}, "world": r.world, "sessions": p.sessions,
+            "args": {**vars(args), "data": r.settings["data"], "lr": r.settings["lr"]}, "world": r.world, "sessions": p.sessions,
             "meta": data_identity(r.meta)})
     if r.world > 1:  # none leaves before the file is written: torchrun stops the rest once one exits non-zero
         torch.distributed.barrier()
@@ -448,9 +450,17 @@ def finish(r: Run, p: Progress, token_bytes: torch.Tensor) -> dict:
     final = evaluate(r.model, r.val_tokens, r.val_streams, args.chunk_len, None, token_bytes, r.device, r.bf16)
     record_final(r.metrics_path, p.step, final)
     unigram = r.meta["val"]["unigram_entropy_nats"]
-    print(f"validation ({final['val_tokens']:,} tokens): CE {final['val_ce']:.4f} nats/token, "
+    how = (f"sliding windows of {args.chunk_len} every {args.chunk_len // 2}" if args.model == "transformer"
+           else f"{r.val_streams} streams, state carried")
+    print(f"validation ({final['val_tokens']:,} tokens, {how}): CE {final['val_ce']:.4f} nats/token, "
           f"{final['val_bpb']:.4f} bits/byte, perplexity {final['val_ppl']:.1f}; "
           f"unigram entropy of the split {unigram:.4f} nats/token")
+    if args.model == "transformer":  # the CTE's reading of the split, for the record: chunks without context
+        chunks = evaluate(r.model, r.val_tokens, r.val_streams, args.chunk_len, None, token_bytes, r.device,
+                          r.bf16, read="chunks")
+        final.update({f"{k}_chunks": v for k, v in chunks.items()})
+        print(f"read as {r.val_streams} streams of {args.chunk_len}-token chunks: CE {chunks['val_ce']:.4f} "
+              f"nats/token, {chunks['val_bpb']:.4f} bits/byte")
     if args.sample_tokens:
         for prompt in PROMPTS:
             print(f"--- {prompt!r} →{sample_text(r.model, prompt, args.sample_tokens, seed=args.seed)!r}")
@@ -513,30 +523,82 @@ def micro_steps(fwd, batches, state, accum: int, head_positions: str, device: to
     return ce_sum / accum, lb_sum / accum, state, True
 
 
+READS = ("auto", "carried", "chunks", "sliding")
+
+
 @torch.no_grad()
-def evaluate(model: FractusCTE, tokens, batch_size: int, chunk_len: int, max_tokens: int | None,
-             token_bytes: torch.Tensor, device: torch.device, bf16: bool = False) -> dict:
-    """Held-out CE (nats/token), bits per byte and perplexity over up to ``max_tokens`` targets,
-    read as ``batch_size`` contiguous streams with carried state."""
+def evaluate(model, tokens, batch_size: int, chunk_len: int, max_tokens: int | None,
+             token_bytes: torch.Tensor, device: torch.device, bf16: bool = False, read: str = "auto") -> dict:
+    """Held-out CE (nats/token), bits per byte and perplexity over up to ``max_tokens`` targets of
+    ``tokens``, read as ``read`` says:
+
+    - "carried": ``batch_size`` contiguous streams of ``chunk_len``-token chunks, each stream from an
+      empty state that is then carried from chunk to chunk (the CTE's own reading);
+    - "chunks": the same chunks, each read on its own from an empty state;
+    - "sliding": windows of the transformer's ``context`` every ``context / 2`` tokens, ``batch_size``
+      at a time; the first window scores all its targets, each later one the targets no earlier
+      window scored, so every scored target but the first window's sees at least ``context / 2``
+      tokens (the reading of a model that carries no state);
+    - "auto": "carried" for a model with a state, "sliding" for one without (:class:`Transformer`).
+    """
+    if read not in READS:
+        raise ValueError(f"read must be one of {READS}, got {read!r}")
+    if read == "auto":
+        read = "sliding" if isinstance(model, Transformer) else "carried"
     was = model.training
     model.eval()
-    streams = TokenStreams(tokens, batch_size, chunk_len)
-    n_chunks = streams.chunks_per_epoch
-    if max_tokens:
-        n_chunks = max(1, min(n_chunks, max_tokens // (batch_size * chunk_len)))
+    if read == "sliding":
+        batches = _windows(tokens, model.cfg.context, model.cfg.context // 2, batch_size, max_tokens)
+    else:
+        batches = _chunks(tokens, batch_size, chunk_len, max_tokens)
     ce_sum, n_tok, n_bytes, state = 0.0, 0, 0, None
-    for _ in range(n_chunks):
-        x, y, _ = streams.next()
+    for x, y in batches:
         x, y = x.to(device), y.to(device)
         with autocast(device, bf16):
-            _, parts, state = model(x, state, y)
-        ce_sum += parts["ce"].item() * y.numel()
-        n_tok += y.numel()
-        n_bytes += int(token_bytes[y.cpu()].sum())
+            _, parts, state = model(x, state if read == "carried" else None, y)
+        n = int(parts["n"])
+        ce_sum += parts["ce"].item() * n
+        n_tok += n
+        n_bytes += int(token_bytes[y[y != -100].cpu()].sum())
     model.train(was)
     ce = ce_sum / n_tok
     return {"val_ce": ce, "val_bpb": ce_sum / math.log(2) / max(1, n_bytes), "val_ppl": math.exp(ce),
             "val_tokens": n_tok}
+
+
+def _chunks(tokens, batch_size: int, chunk_len: int, max_tokens: int | None):
+    """(x, y) [batch_size, chunk_len]: the next chunk of every stream, up to ``max_tokens`` targets."""
+    streams = TokenStreams(tokens, batch_size, chunk_len)
+    n_chunks = streams.chunks_per_epoch
+    if max_tokens:
+        n_chunks = max(1, min(n_chunks, max_tokens // (batch_size * chunk_len)))
+    for _ in range(n_chunks):
+        yield streams.next()[:2]
+
+
+def _windows(tokens, context: int, stride: int, batch_size: int, max_tokens: int | None):
+    """(x, y) [≤ batch_size, L] (L = context, or the split's length if shorter): sliding windows of
+    ``tokens`` every ``stride`` positions and one ending at the split's end; y is -100 (not scored)
+    at the targets an earlier window scored. Stops once ``max_tokens`` targets are scored."""
+    n = len(tokens) - 1  # targets: tokens[1:]
+    L = min(context, n)
+    starts = list(range(0, n - L + 1, stride))
+    if starts[-1] != n - L:
+        starts.append(n - L)
+    windows, scored_to, total = [], 0, 0
+    for s in starts:
+        windows.append((s, scored_to - s))  # (start, offset of its first target to score)
+        total += s + L - scored_to
+        scored_to = s + L
+        if max_tokens and total >= max_tokens:
+            break
+    for i in range(0, len(windows), batch_size):
+        group = windows[i:i + batch_size]
+        rows = torch.from_numpy(np.stack([np.asarray(tokens[s:s + L + 1], dtype=np.int64) for s, _ in group]))
+        x, y = rows[:, :-1], rows[:, 1:].clone()
+        for j, (_, first) in enumerate(group):
+            y[j, :first] = -100
+        yield x, y
 
 
 def set_active_blocks(model: FractusCTE, k: int, seed: int, step: int) -> list[int]:

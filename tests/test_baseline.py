@@ -3,7 +3,7 @@ resume, the evaluation and the sampler serve it as they serve the CTE."""
 import pytest
 import torch
 
-from fractus.baseline import GPT, GPTConfig
+from fractus.baseline import Transformer, TransformerConfig
 from fractus.evaluate import evaluate_checkpoint
 from fractus.registry import load_model
 from fractus.train import main, train
@@ -19,7 +19,7 @@ def data(tmp_path_factory):
 
 def test_causal_and_context_checked():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, d_model=32, n_heads=2, n_layers=2, context=24)).eval()
+    model = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=2, context=24)).eval()
     x = torch.randint(0, 50, (2, 24))
     y = x.clone()
     y[:, 11] = (y[:, 11] + 1) % 50
@@ -30,13 +30,13 @@ def test_causal_and_context_checked():
         model(torch.zeros(1, 25, dtype=torch.long))
     with pytest.raises(ValueError, match="head_positions='all'"):
         model(x, None, x, "last")
-    with pytest.raises(ValueError, match="not a multiple"):
-        GPTConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="must be a multiple of head_dim"):
+        TransformerConfig(d_model=30, head_dim=4)
 
 
 def test_fused_loss_equals_cross_entropy_of_the_logits():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, d_model=32, n_heads=2, n_layers=1, context=16))
+    model = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=1, context=16))
     x, t = torch.randint(0, 50, (3, 16)), torch.randint(0, 50, (3, 16))
     with torch.no_grad():
         logits, _, _ = model(x)
@@ -49,7 +49,7 @@ def test_generate_reads_the_last_context_tokens():
     """Greedy generation past the context: each new token is the argmax of a forward over the last
     ``context`` tokens."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=40, d_model=32, n_heads=2, n_layers=1, context=8)).eval()
+    model = Transformer(TransformerConfig(vocab_size=40, d_model=32, head_dim=16, n_layers=1, context=8)).eval()
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     out = model.generate(prompt, 5, temperature=0)
     ids = list(prompt)
@@ -60,27 +60,27 @@ def test_generate_reads_the_last_context_tokens():
 
 
 def test_trainer_resume_evaluate_and_sample(data, tmp_path, capsys):
-    """--model gpt through the trainer: a stopped and resumed run's metrics equal an uninterrupted
-    one's; the checkpoint loads as a GPT for evaluation and sampling; the CTE's own switches and a
+    """--model transformer through the trainer: a stopped and resumed run's metrics equal an uninterrupted
+    one's; the checkpoint loads as a Transformer for evaluation and sampling; the CTE's own switches and a
     resume as the other model are refused."""
-    argv = ["--model", "gpt", "--chunk-len", "16"]
+    argv = ["--model", "transformer", "--chunk-len", "16"]
     full, parts = tmp_path / "full", tmp_path / "parts"
     train(cli(data, full, *argv, tokens=30 * 32))
     train(cli(data, parts, *argv, "--stop-after", "13", tokens=30 * 32))
     train(cli(data, parts, *argv, "--resume", tokens=30 * 32))
     assert metrics(parts) == metrics(full)
     model = load_model(full / "ckpt.pt")
-    assert isinstance(model, GPT) and model.cfg.context == 16
+    assert isinstance(model, Transformer) and model.cfg.context == 16
     r = evaluate_checkpoint(full / "ckpt.pt", data, streams=2, chunk_len=16)
     assert abs(r["val_ce"] - float(metrics(full)[-1]["val_ce"])) < 1e-4  # the trainer's final validation
     assert len(model.generate([1, 2, 3], 4, seed=0)) == 4
     capsys.readouterr()
-    for extra, msg in ((["--detach-kuramoto"], "--model gpt has no --detach-kuramoto"),
-                       (["--head-positions", "last"], "--model gpt has no --head-positions last"),
+    for extra, msg in ((["--detach-kuramoto"], "--model transformer has no --detach-kuramoto"),
+                       (["--head-positions", "last"], "--model transformer has no --head-positions last"),
                        (["--set", "context=8"], "set the transformer's context with --chunk-len")):
         with pytest.raises(SystemExit) as e:
             main(cli(data, tmp_path / "bad", *argv, *extra))
         assert e.value.code == 2 and msg in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(cli(data, full, "--resume", tokens=40 * 32))
-    assert e.value.code == 2 and "'model': ('gpt', 'cte')" in capsys.readouterr().err
+    assert e.value.code == 2 and "'model': ('transformer', 'cte')" in capsys.readouterr().err

@@ -657,7 +657,7 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     assert load_checkpoint(out / "ckpt.pt")["step"] == 7
 
 
-CHANGED = {"model": ["--model", "gpt"], "preset": ["--preset", "palier0"], "data": None, "batch_size": ["--batch-size", "3"],
+CHANGED = {"model": ["--model", "transformer"], "preset": ["--preset", "palier0"], "data": None, "batch_size": ["--batch-size", "3"],
            "chunk_len": ["--chunk-len", "8"], "accum": ["--accum", "2"], "optimizer": ["--optimizer", "sgd"],
            "seed": ["--seed", "3"], "lr": ["--lr", "1e-4"],
            "weight_decay": ["--weight-decay", "0.5"], "warmup": ["--warmup", "7"],

@@ -5,7 +5,7 @@ code) on the same prepared tokens, the same number of them, from the same seeds,
 on the whole held-out split: the original architecture, each lever of the default recipe added to
 it alone, the recipe, the recipe with each lever taken out or one more added, the recipe without
 the CTE's distinctive parts (its levels, its Kuramoto clock), and the softmax transformer of the
-same width and depth (``--model gpt``). :func:`run` writes one row per (variant, seed) with the
+same width and depth (the Transformer++, ``--model transformer``). :func:`run` writes one row per (variant, seed) with the
 final validation CE (nats/token), bits per byte, perplexity, training seconds and tokens/s;
 :func:`summary` gives their mean and range over the seeds. The notebook ``06_architecture`` drives it.
 """
@@ -35,7 +35,7 @@ TRIED = {"attn_norm": "rms", "qk_norm": True, "eot_reset": True, "shared_expert"
 @dataclass(frozen=True)
 class Variant:
     """One model to train: ``model`` "cte" (``preset`` with ``changes`` as --set overrides) or
-    "gpt" (the transformer of ``preset``'s width, depth and heads, reading chunks of ``chunk_len``)."""
+    "transformer" (the Transformer++ of ``preset``'s width and depth, a context of ``chunk_len``)."""
     name: str
     group: str  # "original", "lever", "recipe", "recipe −", "recipe +", "parts" or "baseline"
     model: str = "cte"
@@ -75,7 +75,7 @@ def variants(preset: str = "palier0", tried: dict = TRIED, parts: bool = True) -
     """The ablation at ``preset``'s dimensions: the original; each lever of the recipe alone on
     it; the recipe; the recipe without each lever and with each of ``tried``; with ``parts``, the
     recipe with one level and with the linear router (no Kuramoto clock); the transformer
-    (context 128, 16 streams: 2,048 tokens a step as the others)."""
+    (context 256, 8 streams: 2,048 tokens a step as the others)."""
     levers = recipe_levers(preset)
     original = f"original-{preset}"
     out = [Variant("original", "original", preset=original)]
@@ -90,7 +90,7 @@ def variants(preset: str = "palier0", tried: dict = TRIED, parts: bool = True) -
     if parts:
         out += [Variant("recipe, one level", "parts", preset=preset, changes=(("n_levels", 1),)),
                 Variant("recipe, linear router (no clock)", "parts", preset=preset, changes=(("router", "linear"),))]
-    out.append(Variant("transformer", "baseline", model="gpt", preset=preset, chunk_len=128, batch_size=16))
+    out.append(Variant("transformer", "baseline", model="transformer", preset=preset, chunk_len=256, batch_size=8))
     return out
 
 

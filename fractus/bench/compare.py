@@ -1,0 +1,179 @@
+"""The Fractus CTE against a tuned Transformer++: learning rates tuned per model, two budgets.
+
+Three models at palier0's width and depth, trained by the trainer itself on the same prepared
+tokens at 2,048 tokens a step, evaluated on the same held-out split: the default CTE (32 streams
+of 64 positions, state carried), the original architecture (``original-palier0``, read the same
+way) and the Transformer++ (:mod:`fractus.baseline`; 8 windows of 256, scored with sliding windows
+of 256 every 128, and also as the CTE's chunks without context). Three stages:
+
+- ``sweep``: every model at each of :data:`LRS` (spaced ×2), one seed;
+- ``seeds``: every model at its best rate of the sweep from :data:`SEEDS`;
+- ``budget``: every model at its best rate at about 20 tokens per parameter (:data:`BUDGET_TOKENS`).
+
+Each run trains in its own directory under ``runs`` and resumes there if it was stopped; each
+finished run appends its rows (one per evaluation reading: ``eval`` carried, sliding or chunks)
+to the results CSV with provenance, and a run whose rows are already there is not trained again.
+Runs go two at a time, one thread each, so that the models' times compare within a run.
+``python -m fractus.bench.compare sweep|seeds|budget --data DIR --csv results/compare_cpu.csv``.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import pandas as pd
+
+from fractus.bench.architecture import STEP_TOKENS, Variant, trained_tokens
+from fractus.records import append_csv
+
+MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 tokens a step each)
+    "default": Variant("default", "recipe", preset="palier0"),
+    "transformer": Variant("transformer", "baseline", model="transformer", preset="palier0", chunk_len=256,
+                           batch_size=8),
+    "original": Variant("original", "original", preset="original-palier0"),
+}
+HEADLINE = {"default": "carried", "original": "carried", "transformer": "sliding"}  # each model's own reading
+LRS = (3.75e-4, 7.5e-4, 1.5e-3, 3e-3, 6e-3)  # AdamW peak rates, ×2 apart
+DEMO_TOKENS = 3_000_000  # make demo's budget
+BUDGET_TOKENS = 27_000_000  # about 20 tokens per parameter at palier0 (1.35–1.44 M parameters)
+SEEDS = (0, 1, 2)
+COLUMNS = ("model", "preset", "params", "tokens", "lr", "seed", "eval", "val_ce", "val_bpb", "val_ppl", "wall_s",
+           "tok_s", "threads", "stage")
+
+
+def run_dir(runs: Path, model: str, lr: float, seed: int, tokens: int) -> Path:
+    return Path(runs) / f"{model}-lr{lr:g}-seed{seed}-{tokens}"
+
+
+def train_one(model: str, lr: float, seed: int, tokens: int, data, runs: Path, threads: int, stage: str) -> list[dict]:
+    """Train ``model`` at peak rate ``lr`` from ``seed`` for ``tokens`` tokens in its run directory
+    (resuming a stopped run there); its rows, one per evaluation reading."""
+    from fractus.registry import load_model  # in the worker process
+    from fractus.train import train
+    v = MODELS[model]
+    out = run_dir(runs, model, lr, seed, tokens)
+    argv = v.argv(data, out, tokens, seed, threads)
+    argv[argv.index("--ckpt-every") + 1] = "200"
+    argv += ["--lr", repr(lr)] + (["--resume"] if (out / "ckpt.pt").exists() else [])
+    t0 = time.perf_counter()
+    last = train(argv)
+    wall = time.perf_counter() - t0
+    params = load_model(out / "ckpt.pt").num_params()
+    base = {"model": model, "preset": v.preset, "params": params, "tokens": last["tokens"], "lr": lr, "seed": seed}
+    timing = {"wall_s": wall, "tok_s": last["tokens"] / last["elapsed_s"], "threads": threads, "stage": stage}
+    readings = {HEADLINE[model]: ""} | ({"chunks": "_chunks"} if model == "transformer" else {})
+    return [{**base, "eval": name, "val_ce": last[f"val_ce{sfx}"], "val_bpb": last[f"val_bpb{sfx}"],
+             "val_ppl": last[f"val_ppl{sfx}"], **timing} for name, sfx in readings.items()]
+
+
+def _key(model, lr, seed, tokens) -> tuple:
+    return model, float(f"{float(lr):g}"), int(seed), int(tokens)
+
+
+def done_runs(csv: Path) -> set:
+    """(model, lr, seed, tokens) of every run whose rows ``csv`` holds."""
+    if not Path(csv).exists():
+        return set()
+    d = pd.read_csv(csv)
+    return {_key(r.model, r.lr, r.seed, r.tokens) for r in d.itertuples()}
+
+
+def run(jobs: list[tuple], data, csv: Path, runs: Path, stage: str, workers: int = 2, threads: int = 1,
+        log=print) -> pd.DataFrame:
+    """Train each (model, lr, seed, tokens) of ``jobs`` not yet in ``csv``, ``workers`` at a time of
+    ``threads`` threads; each run's rows appended to ``csv`` as it ends. Returns ``csv``'s rows."""
+    done = done_runs(csv)
+    todo = [j for j in jobs if _key(j[0], j[1], j[2], trained_tokens(j[3])) not in done]
+    if len(todo) < len(jobs):
+        log(f"{len(jobs) - len(todo)} of {len(jobs)} runs kept from {csv}")
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(train_one, m, lr, seed, tokens, data, runs, threads, stage)
+                   for m, lr, seed, tokens in todo]
+        for fut in as_completed(futures):
+            rows = fut.result()
+            for r in rows:
+                append_csv(csv, r)
+            log("  ".join(f"{r['model']} lr {r['lr']:g} seed {r['seed']} {r['eval']}: {r['val_ce']:.4f}"
+                          for r in rows) + f"  ({rows[0]['tok_s']:,.0f} tok/s)")
+    return pd.read_csv(csv)
+
+
+def headline(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each run's row of its model's own reading (carried for the CTEs, sliding for the transformer)."""
+    return rows[rows["eval"] == rows["model"].map(HEADLINE)]
+
+
+def best_lr(rows: pd.DataFrame, model: str, tokens: int = DEMO_TOKENS) -> float:
+    """``model``'s rate of lowest mean headline CE over its runs of ``tokens`` tokens."""
+    h = headline(rows)
+    h = h[(h["model"] == model) & (h["tokens"] == trained_tokens(tokens))]
+    if h.empty:
+        raise ValueError(f"no {model} runs of {tokens:,} tokens to choose a learning rate from")
+    return float(h.groupby("lr")["val_ce"].mean().idxmin())
+
+
+def stage_jobs(stage: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=LRS, seeds=SEEDS,
+               demo_tokens: int = DEMO_TOKENS, budget_tokens: int = BUDGET_TOKENS) -> list[tuple]:
+    """The (model, lr, seed, tokens) runs of ``stage``; ``seeds`` and ``budget`` take each model's
+    best rate from the sweep's rows (``rows``)."""
+    if stage == "sweep":  # rates from the middle out, so that the first finished runs say the most
+        order = sorted(lrs, key=lambda lr: abs(lrs.index(lr) - (len(lrs) - 1) / 2))
+        return [(m, lr, seeds[0], demo_tokens) for lr in order for m in models]
+    best = {m: best_lr(rows[rows["stage"] == "sweep"], m, demo_tokens) for m in models}
+    if stage == "seeds":
+        return [(m, best[m], s, demo_tokens) for s in seeds for m in models]
+    if stage == "budget":
+        return [(m, best[m], seeds[0], budget_tokens) for m in models]
+    raise ValueError(f"unknown stage {stage!r}: sweep, seeds or budget")
+
+
+def summary(rows: pd.DataFrame, tokens: int = DEMO_TOKENS) -> pd.DataFrame:
+    """Per model at its best rate and ``tokens``: headline CE mean, min, max over seeds, bits/byte,
+    training tok/s, and the mean CE and time against the transformer's."""
+    h = headline(rows)
+    h = h[h["tokens"] == trained_tokens(tokens)]
+    out = []
+    for m in MODELS:
+        if (h["model"] == m).any():
+            lr = best_lr(rows, m, tokens)
+            g = h[(h["model"] == m) & (h["lr"] == lr)]
+            out.append({"model": m, "lr": lr, "seeds": g["seed"].nunique(), "val_ce": g["val_ce"].mean(),
+                        "val_ce_min": g["val_ce"].min(), "val_ce_max": g["val_ce"].max(),
+                        "val_bpb": g["val_bpb"].mean(), "tok_s": g["tok_s"].mean(),
+                        "train_s": (g["tokens"] / g["tok_s"]).mean()})
+    t = pd.DataFrame(out).set_index("model")
+    if "transformer" in t.index:
+        t["ce_vs_transformer"] = t["val_ce"] - t.loc["transformer", "val_ce"]
+        t["time_vs_transformer"] = t["train_s"] / t.loc["transformer", "train_s"]
+    return t
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fractus.bench.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=("sweep", "seeds", "budget"))
+    ap.add_argument("--data", required=True, help="directory written by `python -m fractus.data prepare`")
+    ap.add_argument("--csv", default="results/compare_cpu.csv")
+    ap.add_argument("--runs", default="runs/compare", help="the runs' directories (kept for resuming)")
+    ap.add_argument("--workers", type=int, default=2)
+    a = ap.parse_args(argv)
+    try:
+        rows = pd.read_csv(a.csv) if Path(a.csv).exists() else None
+        jobs = stage_jobs(a.stage, rows)
+        rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.stage, a.workers)
+        print(summary(rows).to_string(float_format=lambda x: f"{x:.4g}"))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: finished runs are in the CSV, stopped ones resume from their run directory",
+              file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
