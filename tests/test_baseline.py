@@ -84,3 +84,84 @@ def test_trainer_resume_evaluate_and_sample(data, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(cli(data, full, "--resume", tokens=40 * 32))
     assert e.value.code == 2 and "'model': ('transformer', 'cte')" in capsys.readouterr().err
+
+
+def test_transformer_plus_plus_shape_and_size():
+    """palier0's width and depth: 4 heads of 32, SwiGLU hidden ⌈8/3·128 / 8⌉·8 = 344, no biases,
+    tied head, RMSNorm gains only: 1,444,480 parameters."""
+    cfg = TransformerConfig()
+    model = Transformer(cfg)
+    assert (cfg.n_heads, cfg.d_ff) == (4, 344)
+    assert not [n for n, _ in model.named_parameters() if n.endswith("bias")]
+    assert model.num_params() == 8192 * 128 + 2 * (4 * 128 ** 2 + 3 * 128 * 344 + 2 * 128) + 128 == 1_444_480
+
+
+def test_rope_scores_depend_on_relative_position_only():
+    """Rotated q·k is a function of the distance between positions: shifting both by s keeps it."""
+    from fractus.baseline import rope_tables, rotate
+    torch.manual_seed(0)
+    D = 16
+    cos, sin = rope_tables(40, D, 10000.0, "cpu")
+    q, k = torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D)
+
+    def score(tq, tk):
+        return float((rotate(q, cos[tq:tq + 1], sin[tq:tq + 1]) * rotate(k, cos[tk:tk + 1], sin[tk:tk + 1])).sum())
+    assert abs(score(7, 3) - score(30, 26)) < 1e-5 and abs(score(7, 3) - score(7, 5)) > 1e-3
+
+
+def test_input_checks_are_the_cte_s():
+    """Token ids out of range, a state, and generate's arguments are refused as the CTE refuses them."""
+    model = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=1, context=8))
+    for bad in (torch.tensor([[1, 50]]), torch.tensor([[-1, 2]])):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, 50\)"):
+            model(bad)
+    with pytest.raises(ValueError, match="carries no state"):
+        model(torch.tensor([[1, 2]]), [torch.zeros(1)])
+    for kwargs, msg in (({"top_k": 2.5}, "top_k must be an integer"), ({"temperature": -1}, "temperature must be"),
+                        ({"top_p": 0}, "top_p in"), ({"max_new_tokens": -5}, "max_new_tokens must be")):
+        with pytest.raises(ValueError, match=msg):
+            model.generate([1, 2], **{"max_new_tokens": 3, **kwargs})
+    with pytest.raises(ValueError, match="integer token ids"):
+        model.generate([1.7, 2.9], 3)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 50\)"):
+        model.generate([1, 60], 3)
+
+
+def test_sliding_windows_score_every_target_once_with_context():
+    """The sliding reading scores each target of the split exactly once; each scored target outside
+    the first window sees at least context/2 tokens; its CE equals the per-target CE of a forward
+    over exactly that window."""
+    from fractus.train import _windows, evaluate
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (203,)).numpy()
+    context, stride = 16, 8
+    seen = []
+    for x, y in _windows(tokens, context, stride, 3, None):
+        for row_x, row_y in zip(x, y):
+            start = int(np_where_equal(tokens, row_x))
+            scored = (row_y != -100).nonzero().flatten().tolist()
+            assert start == 0 or min(scored) >= context - stride
+            seen += [start + j for j in scored]
+    assert sorted(seen) == list(range(len(tokens) - 1))
+    model = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=1, context=context)).eval()
+    tb = torch.ones(50, dtype=torch.long)
+    r = evaluate(model, tokens, 3, context, None, tb, torch.device("cpu"), read="sliding")
+    total = 0.0
+    with torch.no_grad():
+        for x, y in _windows(tokens, context, stride, 1, None):
+            logits = model(x)[0]
+            total += float(torch.nn.functional.cross_entropy(logits[0], y[0], ignore_index=-100, reduction="sum"))
+    assert r["val_tokens"] == len(tokens) - 1 and abs(r["val_ce"] - total / (len(tokens) - 1)) < 1e-5
+    chunks = evaluate(model, tokens, 3, context, None, tb, torch.device("cpu"), read="chunks")
+    assert chunks["val_tokens"] == 3 * context * ((len(tokens) - 1) // 3 // context)
+    with pytest.raises(ValueError, match="read must be one of"):
+        evaluate(model, tokens, 3, context, None, tb, torch.device("cpu"), read="windows")
+
+
+def np_where_equal(tokens, row) -> int:
+    """The offset of ``row`` in ``tokens`` (the windows' rows are slices of it)."""
+    row = row.numpy()
+    for s in range(len(tokens) - len(row) + 1):
+        if (tokens[s:s + len(row)] == row).all():
+            return s
+    raise AssertionError("not a slice of the split")

@@ -49,12 +49,12 @@ def run_dir(runs: Path, model: str, lr: float, seed: int, tokens: int) -> Path:
     return Path(runs) / f"{model}-lr{lr:g}-seed{seed}-{tokens}"
 
 
-def train_one(model: str, lr: float, seed: int, tokens: int, data, runs: Path, threads: int, stage: str) -> list[dict]:
-    """Train ``model`` at peak rate ``lr`` from ``seed`` for ``tokens`` tokens in its run directory
-    (resuming a stopped run there); its rows, one per evaluation reading."""
+def train_one(model: str, v: Variant, lr: float, seed: int, tokens: int, data, runs: Path, threads: int,
+              stage: str) -> list[dict]:
+    """Train ``model`` (``v``) at peak rate ``lr`` from ``seed`` for ``tokens`` tokens in its run
+    directory (resuming a stopped run there); its rows, one per evaluation reading."""
     from fractus.registry import load_model  # in the worker process
     from fractus.train import train
-    v = MODELS[model]
     out = run_dir(runs, model, lr, seed, tokens)
     argv = v.argv(data, out, tokens, seed, threads)
     argv[argv.index("--ckpt-every") + 1] = "200"
@@ -83,15 +83,17 @@ def done_runs(csv: Path) -> set:
 
 
 def run(jobs: list[tuple], data, csv: Path, runs: Path, stage: str, workers: int = 2, threads: int = 1,
-        log=print) -> pd.DataFrame:
+        log=print, models: dict | None = None) -> pd.DataFrame:
     """Train each (model, lr, seed, tokens) of ``jobs`` not yet in ``csv``, ``workers`` at a time of
-    ``threads`` threads; each run's rows appended to ``csv`` as it ends. Returns ``csv``'s rows."""
+    ``threads`` threads (``models``: name → :class:`Variant`, default :data:`MODELS`); each run's rows
+    appended to ``csv`` as it ends. Returns ``csv``'s rows."""
+    models = MODELS if models is None else models
     done = done_runs(csv)
     todo = [j for j in jobs if _key(j[0], j[1], j[2], trained_tokens(j[3])) not in done]
     if len(todo) < len(jobs):
         log(f"{len(jobs) - len(todo)} of {len(jobs)} runs kept from {csv}")
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(train_one, m, lr, seed, tokens, data, runs, threads, stage)
+        futures = [pool.submit(train_one, m, models[m], lr, seed, tokens, data, runs, threads, stage)
                    for m, lr, seed, tokens in todo]
         for fut in as_completed(futures):
             rows = fut.result()

@@ -1,0 +1,59 @@
+"""The comparison runner: its stages' jobs, the choice of each model's rate, and a run that keeps
+what is already measured and resumes what was stopped."""
+import pandas as pd
+import pytest
+
+from fractus.bench import compare as C
+from fractus.bench.architecture import Variant
+from util import make_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def rows(spec):
+    """CSV rows from (model, lr, seed, val_ce) at 3 M tokens, each model's own reading."""
+    return pd.DataFrame([{"model": m, "lr": lr, "seed": s, "tokens": C.trained_tokens(C.DEMO_TOKENS),
+                          "eval": C.HEADLINE[m], "val_ce": ce, "val_bpb": ce / 2, "tok_s": 1000.0, "stage": "sweep"}
+                         for m, lr, s, ce in spec])
+
+
+def test_sweep_then_seeds_and_budget_at_each_model_s_best_rate():
+    sweep = C.stage_jobs("sweep", None)
+    assert len(sweep) == len(C.LRS) * len(C.MODELS) and {j[1] for j in sweep} == set(C.LRS)
+    assert sweep[0][1] == C.LRS[len(C.LRS) // 2]  # the middle rate first
+    r = rows([("default", 1.5e-3, 0, 4.4), ("default", 3e-3, 0, 4.3), ("transformer", 1.5e-3, 0, 4.2),
+              ("transformer", 3e-3, 0, 4.5), ("original", 3e-3, 0, 5.0)])
+    r = pd.concat([r, r.assign(eval="chunks", val_ce=1.0)[r["model"] == "transformer"]])  # not its headline
+    assert C.best_lr(r, "default") == 3e-3 and C.best_lr(r, "transformer") == 1.5e-3
+    seeds = C.stage_jobs("seeds", r)
+    assert ("default", 3e-3, 2, C.DEMO_TOKENS) in seeds and len(seeds) == 3 * len(C.SEEDS)
+    assert C.stage_jobs("budget", r) == [(m, lr, 0, C.BUDGET_TOKENS) for m, lr in
+                                         (("default", 3e-3), ("transformer", 1.5e-3), ("original", 3e-3))]
+    t = C.summary(r)
+    assert t.loc["default", "ce_vs_transformer"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="no original runs"):
+        C.best_lr(r[r["model"] != "original"], "original")
+
+
+def test_run_appends_each_reading_keeps_finished_runs_and_resumes_stopped_ones(tmp_path):
+    data = make_corpus(tmp_path)
+    models = {"default": Variant("default", "recipe", preset="tiny", chunk_len=16, batch_size=2),
+              "transformer": Variant("transformer", "baseline", model="transformer", preset="tiny", chunk_len=16,
+                                     batch_size=2)}
+    csv, runs, tokens = tmp_path / "compare.csv", tmp_path / "runs", 3 * C.STEP_TOKENS
+    jobs = [("default", 1e-3, 0, tokens), ("transformer", 1e-3, 0, tokens)]
+    # a stopped run: its directory holds a checkpoint at step 1 of 3
+    from fractus.train import train
+    stopped = C.run_dir(runs, "transformer", 1e-3, 0, tokens)
+    train(models["transformer"].argv(data, stopped, tokens, 0, 1) + ["--lr", "0.001", "--stop-after", "1"])
+    log = []
+    out = C.run(jobs, data, csv, runs, "sweep", workers=1, log=log.append, models=models)
+    assert sorted(zip(out["model"], out["eval"])) == [("default", "carried"), ("transformer", "chunks"),
+                                                      ("transformer", "sliding")]
+    assert (out["tokens"] == tokens).all() and (out["params"] > 0).all() and out["git_sha"].notna().all()
+    fresh = tmp_path / "fresh"
+    train(models["transformer"].argv(data, fresh, tokens, 0, 1) + ["--lr", "0.001"])
+    from fractus.runs import read_metrics
+    assert read_metrics(stopped / "metrics.csv")[-1]["val_ce"] == read_metrics(fresh / "metrics.csv")[-1]["val_ce"]
+    again = C.run(jobs, data, csv, runs, "sweep", workers=1, log=log.append, models=models)
+    assert len(again) == 3 and log[-1] == f"2 of 2 runs kept from {csv}"
