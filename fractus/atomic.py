@@ -25,7 +25,8 @@ def leftover_temps(path: str | Path) -> list[Path]:
 def atomic_open(path: str | Path, mode: str = "w", **kwargs):
     """Open a temporary file beside ``path`` (:func:`temp_name`) for writing; on a clean exit it
     is flushed, fsynced and renamed onto ``path``, and the folder is fsynced; on an error it is
-    removed, and an OSError that names no file (a full disk) is raised again naming ``path``.
+    removed, and an OSError that names no file (a full disk), raised by the writer or underneath
+    its own error (``torch.save``'s RuntimeError), is raised again naming ``path``.
     The file gets the mode ``open()`` would give it (0o666 less the umask).
     ``mode``: "w" or "wb"; ``kwargs`` go to :func:`open` (e.g. ``newline=""``)."""
     if mode not in ("w", "wb"):
@@ -41,17 +42,28 @@ def atomic_open(path: str | Path, mode: str = "w", **kwargs):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if e.filename is not None:
+        err = underlying_os_error(e)
+        if err is None or err.filename is not None:
             raise
-        message = f"cannot write {path}: {e.strerror or e}"
-        raise (OSError(e.errno, message) if e.errno else OSError(message)) from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        named = OSError(f"cannot write {path}: {err.strerror or err}")  # str(): the message alone
+        named.errno = err.errno
+        raise named from e
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def underlying_os_error(e: BaseException) -> OSError | None:
+    """``e`` if it is an OSError, else the OSError it was raised from or while handling (a library
+    that wraps a failed write in its own error: ``torch.save`` on a full disk), else None."""
+    seen = set()
+    while isinstance(e, Exception) and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from fractus.kernels.backend import BACKENDS
 from fractus.kernels.cross_entropy import linear_cross_entropy
-from fractus.model import check_token_ids, prompt_tensor, sample
+from fractus.model import check_token_ids, prompt_tensor, rope_tables, rotate, sample
 
 
 @dataclass
@@ -69,19 +69,6 @@ class TransformerConfig:
 
 def _int_at_least(v, lo: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
-def rope_tables(T: int, D: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D/2] of the rotation angle t·base^(−2i/D) at positions 0 … T−1."""
-    inv = base ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
-    angle = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv
-    return angle.cos(), angle.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D] with each pair (x_i, x_{i+D/2}) rotated by its angle (cos, sin [T, D/2])."""
-    a, b = x.float().chunk(2, dim=-1)
-    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -166,7 +153,7 @@ class Transformer(nn.Module):
             raise ValueError("the transformer carries no state: pass state=None")
         if head_positions != "all":
             raise ValueError("the transformer supervises every position (head_positions='all')")
-        cos, sin = rope_tables(T, self.cfg.head_dim, self.cfg.rope_base, idx.device)
+        cos, sin = rope_tables(T, self.cfg.head_dim, idx.device, self.cfg.rope_base)
         h = self.embed(idx)
         for block in self.blocks:
             h = block(h, cos, sin)

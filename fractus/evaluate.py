@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 
 from fractus.checkpoint import CheckpointError
-from fractus.cli import device_name, positive_int
+from fractus.cli import device_name, positive_int, run_command
 from fractus.data import load_meta, load_tokens
 from fractus.kernels.backend import BACKENDS
-from fractus.registry import load_model
 from fractus.records import append_csv, csv_rows, provenance
+from fractus.registry import load_model
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import evaluate
 
@@ -64,7 +63,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.csv and Path(a.csv).is_dir():
         ap.error(f"--csv {a.csv} is a directory; give a file")
-    try:
+    def body():
         if a.csv:  # a file that cannot take the row is refused before the evaluation
             csv_rows(a.csv, [*COLUMNS, *provenance(a.device)])
         r = evaluate_checkpoint(a.ckpt, a.data, a.split, a.streams, a.chunk_len, a.tokens, a.device, a.backend)
@@ -73,9 +72,7 @@ def main(argv=None) -> None:
         if a.csv:
             append_csv(a.csv, dict(zip(COLUMNS, (a.ckpt, a.data, a.split, a.streams, a.chunk_len, r["val_tokens"],
                                                  r["val_ce"], r["val_bpb"], r["val_ppl"]))), a.device)
-    except (ValueError, OSError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_command(body)
 
 
 if __name__ == "__main__":

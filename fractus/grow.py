@@ -63,7 +63,8 @@ from fractus.model import FractusConfig, FractusCTE, farey_phases
 
 # Config fields that growth keeps, and those that may only grow.
 FIXED = ("vocab_size", "n_levels", "top_k", "router", "tie_head", "kuramoto_steps", "kuramoto_dt",
-         "kuramoto_damping", "gate_tau", "eps", "attn_norm", "attn_gate", "short_conv", "qk_norm", "eot_reset")
+         "kuramoto_damping", "gate_tau", "eps", "attn_norm", "attn_gate", "short_conv", "qk_norm", "eot_reset",
+         "attn_window")
 GROWN = ("d_model", "n_heads", "n_layers", "n_experts", "expert_d_ff", "expert_rank",
          "n_oscillators", "coupling_rank", "shared_expert")
 GATE_MARGIN = 0.5  # logits by which a new expert stays below every old token's k-th expert
@@ -185,6 +186,8 @@ def _grow_block(new, old, src: FractusConfig, cfg: FractusConfig, c: float) -> N
     a.out.weight.copy_(_writer(_padded(b.out.weight, (d, d2)), 0, d2, c))
     a.out.bias.copy_(_writer(b.out.bias, 0, d2, c))
     a.level_logits.copy_(b.level_logits)
+    if a.window_logit is not None:
+        a.window_logit.copy_(b.window_logit)
     # Kuramoto clock (the phase router's): m twins per old oscillator
     if new.clock is not None:
         k, o = new.clock, old.clock

@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-from fractus.checkpoint import CheckpointError, check_finite, check_model_state, load_checkpoint, save_checkpoint
+from fractus.checkpoint import (
+    CheckpointError,
+    check_finite,
+    check_model_state,
+    load_checkpoint,
+    save_checkpoint,
+)
+from fractus.cli import run_command
 from fractus.model import FractusConfig, FractusCTE
 
 # Config fields that only steer training or the kernels; checkpoints may differ in them.
@@ -112,14 +118,13 @@ def main(argv=None) -> None:
     ap.add_argument("-o", "--out", required=True, help="merged checkpoint to write")
     ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     a = ap.parse_args(argv)
-    try:
+
+    def body():
         _, distances = merge(a.checkpoints, a.out, a.force)
-    except (CheckpointError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    for p, d in zip(a.checkpoints, distances):
-        print(f"{p}: relative distance to the mean {d:.4f}")
-    print(f"wrote {a.out}: mean of {len(a.checkpoints)} checkpoints (no optimizer or recurrent state)")
+        for p, d in zip(a.checkpoints, distances):
+            print(f"{p}: relative distance to the mean {d:.4f}")
+        print(f"wrote {a.out}: mean of {len(a.checkpoints)} checkpoints (no optimizer or recurrent state)")
+    run_command(body)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ from fractus.kernels.moe import moe
 
 PHI = (1 + 5 ** 0.5) / 2
 
-# per block: (S [B, Lv, H, D, D], z [B, Lv, H, D]) fp32, and with a short convolution its last
-# W − 1 inputs [B, W − 1, 3d] fp32
+# per block: (S [B, Lv, H, D, D], z [B, Lv, H, D]) fp32; with a short convolution its last W − 1
+# inputs [B, W − 1, 3d] fp32; with a window level its last P = attn_window − 1 keys and values
+# [B, P, H, D] fp32 and which of them exist yet [B, P] (1.0 or 0.0)
 State = list[tuple[torch.Tensor, ...]]
 
 
@@ -51,6 +52,7 @@ class FractusConfig:
     attn_gate: bool = True  # swish output gate: o ← o ⊙ silu(LN(h)·W_g)
     short_conv: int = 4  # width of a causal depthwise convolution on q, k, v (0: none)
     qk_norm: bool = False  # RMS-normalise q and k per head before the feature map
+    attn_window: int = 0  # > 0: one more level, softmax attention over the last attn_window positions (RoPE)
     eot_reset: bool = False  # an end-of-text token (id vocab_size − 1) starts the state afresh
     shared_expert: int = 0  # d_ff of a dense expert every token uses beside the routed ones (0: none)
     expert_init_std: float = 0.02  # std of the experts' output factors (U2/W2) is this / √(2·n_layers)
@@ -95,6 +97,10 @@ class FractusConfig:
                                  f"or one per (level, head) ({self.n_levels * self.n_heads}, level-major)")
         if self.short_conv == 1:
             raise ValueError("short_conv must be 0 (none) or a width ≥ 2, got 1")
+        if self.attn_window == 1 or self.attn_window and self.eot_reset:
+            raise ValueError("attn_window must be 0 (none) or a window ≥ 2, and is not combined with eot_reset")
+        if self.attn_window and self.d_model // self.n_heads % 2:
+            raise ValueError(f"attn_window needs an even d_head for its rotary positions, got {self.d_model // self.n_heads}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
         if self.top_k > self.n_experts:
@@ -161,7 +167,7 @@ _FIELD_CHECKS = {  # field → (what it must be, check)
     "attn_decay": ("a number in (0, 1], a list of one per head or per (level, head), or 'multiscale'",
                    lambda v: _decay(v) or v == "multiscale" or isinstance(v, (list, tuple)) and all(map(_decay, v))),
     "attn_norm": _one_of("denominator", "rms"), "attn_gate": _BOOL, "short_conv": _int_min(0), "qk_norm": _BOOL,
-    "eot_reset": _BOOL,
+    "eot_reset": _BOOL, "attn_window": _int_min(0),
     "shared_expert": _int_min(0), "expert_init_std": _POSITIVE,
     "n_experts": _int_min(1), "top_k": _int_min(1), "expert_d_ff": _int_min(1), "expert_rank": _int_min(0),
     "n_oscillators": _int_min(1), "coupling_rank": _int_min(1), "kuramoto_steps": _int_min(1),
@@ -176,7 +182,7 @@ _FIELD_CHECKS = {  # field → (what it must be, check)
 # the z-denominator, no output norm or gate, no convolution, no shared expert, a state that runs
 # across documents. Presets "original-<name>" are these at <name>'s dimensions.
 ORIGINAL = dict(attn_decay=1.0, attn_norm="denominator", attn_gate=False, short_conv=0, qk_norm=False,
-                eot_reset=False, shared_expert=0, expert_init_std=0.02)
+                attn_window=0, eot_reset=False, shared_expert=0, expert_init_std=0.02)
 # The default: the levers the ablation keeps (notebooks/06_architecture.ipynb, results/architecture_*_cpu.csv).
 RECIPE = {f.name: f.default for f in fields(FractusConfig) if f.name in ORIGINAL}
 
@@ -263,6 +269,48 @@ class ShortConv(nn.Module):
         return y, buf.float()
 
 
+def rope_tables(T: int, D: int, device, base: float = 10000.0,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D/2] in ``dtype`` of the rotary angle t·base^(−2i/D) at positions t = 0 … T−1
+    (computed in fp64)."""
+    inv = base ** (-torch.arange(0, D, 2, device=device, dtype=torch.float64) / D)
+    angle = torch.arange(T, device=device, dtype=torch.float64)[:, None] * inv
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [.., T, D] with each pair (x_i, x_{i+D/2}) rotated by its position's angle (cos, sin [T, D/2]),
+    computed in cos's dtype, returned in x's."""
+    a, b = x.to(cos.dtype).chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
+
+
+def window_attention(q, k, v, cache, window: int):
+    """Causal softmax attention over the last ``window`` positions, the earlier ones carried.
+
+    q, k, v [B, T, H, D]; cache (keys, values [B, P, H, D] fp32, present [B, P]) of the P =
+    window − 1 positions before the chunk, or None (a fresh state: none present). Position t sees
+    the keys of t − window + 1 … t that are present, rotated by position (RoPE, so scores depend on
+    distances only). Returns (y [B, T, H, D] in q's dtype, the new cache)."""
+    B, T, H, D = q.shape
+    P = window - 1
+    if cache is None:
+        cache = (k.new_zeros(B, P, H, D, dtype=torch.float32), k.new_zeros(B, P, H, D, dtype=torch.float32),
+                 k.new_zeros(B, P, dtype=torch.float32))
+    kc, vc, present = cache
+    keys, values = torch.cat([kc.to(k.dtype), k], 1), torch.cat([vc.to(v.dtype), v], 1)  # [B, P + T, H, D]
+    seen = torch.cat([present, present.new_ones(B, T)], 1) > 0  # [B, P + T]
+    i = torch.arange(P, P + T, device=q.device)[:, None]
+    j = torch.arange(P + T, device=q.device)[None, :]
+    mask = ((j <= i) & (j > i - window))[None] & seen[:, None, :]  # [B, T, P + T]
+    cos, sin = rope_tables(P + T, D, q.device, dtype=torch.promote_types(q.dtype, torch.float32))
+    qr = rotate(q.transpose(1, 2), cos[P:], sin[P:])  # [B, H, T, D]
+    kr = rotate(keys.transpose(1, 2), cos, sin)
+    y = F.scaled_dot_product_attention(qr, kr, values.transpose(1, 2), attn_mask=mask[:, None])
+    new = (keys[:, T:].float(), values[:, T:].float(), seen[:, T:].float())
+    return y.transpose(1, 2), new
+
+
 class _Taps(torch.autograd.Function):
     """y_t = Σ_j w_j ⊙ xp_{t+W−1−j} (xp [B, W − 1 + T, C], w [W, C] → y [B, T, C]); the backward
     adds each tap's gradient into one buffer instead of a zero-filled tensor per slice."""
@@ -301,7 +349,9 @@ class LinearAttention(nn.Module):
     f_l(u) = elu(u + ω_l) + 1: S_t = γ_{l,h}·S_{t−1} + f_l(k_t) v_tᵀ, z_t = γ_{l,h}·z_{t−1} + f_l(k_t)
     (inclusive of t); y_l = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + ε) with ``attn_norm="denominator"``,
     y_l = f_l(q_t)ᵀ S_t with "rms"; o = Σ_l softmax(level_logits)_l·y_l, then for "rms" a per-head
-    RMSNorm over D, for ``attn_gate`` ⊙ silu(LN(h)·W_g), then W_o, b_o.
+    RMSNorm over D, for ``attn_gate`` ⊙ silu(LN(h)·W_g), then W_o, b_o. With ``attn_window`` = W,
+    one more level reads the same q, k, v by softmax attention over the last W positions
+    (:func:`window_attention`), its weight the softmax of ``window_logit`` beside ``level_logits``.
     S [B, Lv, H, D, D] and z [B, Lv, H, D] stay fp32 (:mod:`fractus.kernels.linear_attention`).
     """
 
@@ -315,6 +365,7 @@ class LinearAttention(nn.Module):
         self.norm = nn.Parameter(torch.ones(H, cfg.d_head)) if cfg.attn_norm == "rms" else None
         self.out = nn.Linear(d, d)
         self.level_logits = nn.Parameter(torch.zeros(Lv))
+        self.window_logit = nn.Parameter(torch.zeros(1)) if cfg.attn_window else None
         g = torch.tensor(cfg.decays)
         self.register_buffer("decay", g.view(Lv, H) if g.numel() == Lv * H else g, persistent=False)
         self.omegas = level_omegas(Lv)
@@ -329,7 +380,7 @@ class LinearAttention(nn.Module):
         if self.cfg.attn_gate:
             qkv, gate = qkv[..., :3 * d], qkv[..., 3 * d:]
         attn_state = None if state is None else state[:2]
-        conv_state = ()
+        conv_state, window_state = (), ()
         if self.conv is not None:
             qkv, buf = self.conv(qkv, None if state is None else state[2], resets)
             conv_state = (buf,)
@@ -337,15 +388,20 @@ class LinearAttention(nn.Module):
         if self.cfg.qk_norm:
             q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
         decay = None if all(g == 1 for g in self.cfg.decays) else self.decay  # from the config: no sync
-        o, new_state = linear_attention(q, k, v, self.level_logits.softmax(0), self.omegas,
+        logits = self.level_logits if self.window_logit is None else torch.cat([self.level_logits, self.window_logit])
+        weights = logits.softmax(0)
+        o, new_state = linear_attention(q, k, v, weights[:self.cfg.n_levels], self.omegas,
                                         decay=decay, state=attn_state, eps=self.cfg.eps,
                                         backend=self.cfg.backend, normalize=self.norm is None, resets=resets)
+        if self.window_logit is not None:
+            y, window_state = window_attention(q, k, v, None if state is None else state[-3:], self.cfg.attn_window)
+            o = o + weights[-1].to(o.dtype) * y.to(o.dtype)
         if self.norm is not None:
             o = F.rms_norm(o, (D,), eps=self.cfg.eps) * self.norm.to(o.dtype)
         o = o.reshape(B, T, d)
         if gate is not None:
             o = o * F.silu(gate)
-        return self.out(o), (*new_state, *conv_state)
+        return self.out(o), (*new_state, *conv_state, *window_state)
 
 
 class KuramotoClock(nn.Module):
@@ -496,13 +552,16 @@ class FractusCTE(nn.Module):
 
     # -- state --------------------------------------------------------------------------
     def init_state(self, batch_size: int, device=None) -> State:
-        """The zero state of every block: S [B, Lv, H, D, D], z [B, Lv, H, D] and, with a short
-        convolution, its buffer [B, W − 1, 3d], all fp32."""
+        """The zero state of every block (:data:`State`): S, z, and the short convolution's buffer
+        and the window's keys, values and presence when the config has them, all fp32."""
         c = self.cfg
         device = device or self.embed.weight.device
         conv = (torch.zeros(batch_size, c.short_conv - 1, 3 * c.d_model, device=device),) if c.short_conv else ()
+        P = c.attn_window - 1
+        window = ((torch.zeros(batch_size, P, c.n_heads, c.d_head, device=device),) * 2
+                  + (torch.zeros(batch_size, P, device=device),)) if c.attn_window else ()
         return [(torch.zeros(batch_size, c.n_levels, c.n_heads, c.d_head, c.d_head, device=device),
-                 torch.zeros(batch_size, c.n_levels, c.n_heads, c.d_head, device=device), *conv)
+                 torch.zeros(batch_size, c.n_levels, c.n_heads, c.d_head, device=device), *conv, *window)
                 for _ in range(c.n_layers)]
 
     @staticmethod
@@ -528,11 +587,29 @@ class FractusCTE(nn.Module):
         """Raise ValueError unless idx is a [B, T] int64 (or int32) tensor of ids in [0, vocab_size)."""
         check_token_ids(idx, self.cfg.vocab_size)
 
+    def check_state(self, state: State, batch_size: int) -> None:
+        """Raise ValueError unless ``state`` is a state of this model for ``batch_size`` streams:
+        one tuple per block of (S, z) and, with a short convolution, its buffer, each [B, …]."""
+        if not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
+            n = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
+            raise ValueError(f"state holds {n} blocks' state, the model has {len(self.blocks)} blocks")
+        names = ["S", "z"] + ["convolution buffer"] * bool(self.cfg.short_conv) \
+            + ["window keys", "window values", "window presence"] * bool(self.cfg.attn_window)
+        parts, what = len(names), f"({', '.join(names)})"
+        for i, s in enumerate(state):
+            if not isinstance(s, (list, tuple)) or len(s) != parts or not all(isinstance(t, torch.Tensor) for t in s):
+                raise ValueError(f"block {i}'s state must be {what} tensors: this model's state (init_state, or "
+                                 f"what forward or step returned)")
+            if any(t.dim() == 0 or t.shape[0] != batch_size for t in s):
+                raise ValueError(f"the state was made for {s[0].shape[0] if s[0].dim() else 0} stream(s), the "
+                                 f"input has {batch_size}: carry a state of the same batch size, or start "
+                                 f"afresh with state=None")
+
     def run_blocks(self, x: torch.Tensor, state: State | None, resets: torch.Tensor | None = None):
         """x [B, T, d], resets [B, T] bool or None → (final normed hidden [B, T, d], new state, lb total,
         routing)."""
-        if state is not None and len(state) != len(self.blocks):
-            raise ValueError(f"state holds {len(state)} blocks' (S, z), the model has {len(self.blocks)} blocks")
+        if state is not None:
+            self.check_state(state, x.shape[0])
         new_state, lb, routing = [], x.new_zeros((), dtype=torch.float32), []
         h = x
         for i, block in enumerate(self.blocks):

@@ -8,15 +8,16 @@ checkpoint's weights and the provenance of the training process that logged it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime as _dt
+import fcntl
 import functools
 import json
 import os
 import platform
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable
@@ -24,9 +25,10 @@ from typing import Iterable
 import torch
 
 from fractus.atomic import atomic_open
-from fractus.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
+from fractus.checkpoint import load_checkpoint, weights_fingerprint
+from fractus.cli import run_command
 from fractus.resume import check_training_state
-from fractus.runs import planned_steps, read_metrics
+from fractus.runs import RUN_FILES, planned_steps, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout: results/, data/
 
@@ -109,9 +111,25 @@ def write_csv(path: str | Path, rows: Iterable[dict], device: torch.device | str
 
 def append_csv(path: str | Path, row: dict, device: torch.device | str = "cpu") -> Path:
     """Add ``row`` with its provenance to the CSV at ``path`` (created if absent), keeping the
-    rows already there as they are; refused as :func:`csv_rows` says."""
+    rows already there as they are; refused as :func:`csv_rows` says. Processes appending to one
+    file at once each add their row: the read and the replace happen under a lock on its folder."""
     row = {**row, **provenance(device)}
-    return _write_rows(path, [*csv_rows(path, list(row)), row])
+    path = Path(path)
+    csv_rows(path, list(row))  # refused now, not after waiting for the lock; creates the folder
+    with folder_lock(path.parent):
+        return _write_rows(path, [*csv_rows(path, list(row)), row])
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """An exclusive ``flock`` on ``folder`` until the block ends (waits for the holder; the OS
+    drops it if the holder dies). No lock file is left behind."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def csv_rows(path: str | Path, columns: list[str]) -> list[dict]:
@@ -192,17 +210,19 @@ def main(argv=None) -> None:
     ap.add_argument("--label", help="the run column (default: RUN)")
     ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     a = ap.parse_args(argv)
-    try:
-        if Path(a.out).is_dir():
+
+    def body():
+        out = Path(a.out)
+        if out.is_dir():
             raise ValueError(f"--out {a.out} is a directory; give a file")
-        if Path(a.out).exists() and not a.force:
+        if out.resolve().parent == Path(a.run).resolve() and out.name in RUN_FILES:
+            raise ValueError(f"refusing to write {a.out}: it is the run's own {out.name} (even with --force)")
+        if out.exists() and not a.force:
             raise ValueError(f"refusing to write {a.out}: the file exists (--force replaces it)")
         rows = run_rows(a.run, a.label)
         _write_rows(a.out, rows)
-    except (ValueError, OSError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"{a.out}: {len(rows)} rows of {a.run} (weights {rows[0]['weights']})")
+        print(f"{a.out}: {len(rows)} rows of {a.run} (weights {rows[0]['weights']})")
+    run_command(body)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fractus.atomic import atomic_open, leftover_temps
 
+RUN_FILES = ("ckpt.pt", "metrics.csv", ".lock")  # what a run directory holds
 METRIC_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "tok_s", "skipped",
                  "val_ce", "val_bpb", "val_ppl", "elapsed_s")
 
@@ -70,9 +71,14 @@ def write_metrics(path: Path, rows: list[dict]) -> None:
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop rows logged after the checkpoint we resume from (they will be produced again)."""
-    if path.exists():
-        write_metrics(path, [r for r in read_metrics(path) if int(r["step"]) <= last_step])
+    """Drop rows logged after the checkpoint we resume from (they will be produced again); the
+    file keeps its own columns (the trainer's :data:`METRIC_FIELDS`, the vision trainer's)."""
+    rows = read_metrics(path)
+    if rows:
+        with atomic_open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(r for r in rows if int(r["step"]) <= last_step)
 
 
 def record_final(path: Path, step: int, final: dict) -> None:
@@ -84,13 +90,15 @@ def record_final(path: Path, step: int, final: dict) -> None:
     write_metrics(path, rows)
 
 
-def check_metrics_record(path: Path, step: int) -> None:
-    """ValueError unless metrics.csv holds a row for each of steps 1 … ``step`` (the checkpoint's),
-    in order: resuming from an incomplete record would leave the run's record silently incomplete."""
+def check_metrics_record(path: Path, step: int, every: int = 1) -> None:
+    """ValueError unless metrics.csv holds a row for each ``every``-th step up to ``step`` (the
+    checkpoint's), in order (the trainer logs every step, the vision trainer every epoch's last):
+    resuming from an incomplete record would leave the run's record silently incomplete."""
     steps = [int(r["step"]) for r in read_metrics(path) if int(r["step"]) <= step]
-    if steps == list(range(1, step + 1)):
+    expected = list(range(every, step + 1, every))
+    if steps == expected:
         return
-    missing = sorted(set(range(1, step + 1)) - set(steps))
+    missing = sorted(set(expected) - set(steps))
     if not path.exists():
         what = "does not exist"
     elif missing:

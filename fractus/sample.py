@@ -8,12 +8,19 @@ with a NaN or an infinity in its weights is refused.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
-from fractus.checkpoint import CheckpointError, check_finite
-from fractus.cli import device_name, natural, non_negative, number, positive_int
+from fractus.checkpoint import check_finite
+from fractus.cli import (
+    device_name,
+    natural,
+    non_negative,
+    number,
+    positive_int,
+    run_command,
+    seed_number,
+)
 from fractus.kernels.backend import BACKENDS
 from fractus.model import FractusCTE
 from fractus.registry import load_model
@@ -49,12 +56,13 @@ def main(argv=None) -> None:
     ap.add_argument("--top-k", type=natural, default=50, help="0 = off")
     ap.add_argument("--top-p", type=number(float, lambda p: 0 < p <= 1, "in (0, 1]"), default=1.0)
     ap.add_argument("--repetition-penalty", type=number(float, lambda r: r > 0, "> 0"), default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=seed_number, default=0)
     ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto", choices=BACKENDS,
                     help="kernels (auto: Triton on CUDA, PyTorch on CPU), whatever the checkpoint was trained with")
     a = ap.parse_args(argv)
-    try:
+
+    def body():
         model = load_model(a.ckpt, backend=a.backend)
         check_finite(model.state_dict(), a.ckpt)
         model.to(a.device)
@@ -63,9 +71,7 @@ def main(argv=None) -> None:
                 text = sample_text(model, prompt, a.tokens, a.temperature, a.top_k or None, a.top_p,
                                    a.repetition_penalty, a.seed + i)
                 print(f"--- {prompt!r} →{text!r}", flush=True)
-    except (ValueError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_command(body)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ from tqdm import tqdm
 
 from fractus.allocator import keep_freed_memory
 from fractus.baseline import Transformer, TransformerConfig
-from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
-from fractus.cli import device_name, natural, non_negative, number, positive_int
+from fractus.checkpoint import load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
+from fractus.cli import device_name, natural, non_negative, number, positive_int, run_command, seed_number
 from fractus.data import TokenStreams, load_meta, load_tokens
 from fractus.ddp import agree, gather_states, leave, setup_distributed
 from fractus.grow import grow
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--grow-from", metavar="CKPT",
       help="start from CKPT's model grown to the preset (fresh optimizer; ignored with --resume)")
     a("--sample-tokens", type=natural, default=40, help="tokens generated per prompt at the end (0 = none)")
-    a("--seed", type=int, default=1337)
+    a("--seed", type=seed_number, default=1337)
     a("--threads", type=natural, default=0, help="torch CPU threads (0 = torch's default)")
     a("--no-progress", action="store_true", help="no tqdm bar")
     return ap
@@ -323,6 +323,10 @@ def resume_run(r: Run) -> Progress:
     ck = load_checkpoint(r.ckpt_path)  # on the CPU: RNG states must stay there
     check_training_state(ck, r.ckpt_path)
     check_settings(ck, r.settings, r.cfg, r.meta, r.world, r.ckpt_path)
+    if ck["step"] > r.total_steps:
+        raise ValueError(f"--tokens {r.args.tokens:,} makes {r.total_steps} steps, but {r.ckpt_path} is already at "
+                         f"step {ck['step']} ({ck['step'] * r.tokens_per_step:,} tokens): give at least that many "
+                         f"--tokens, or evaluate the checkpoint as it is (python -m fractus.evaluate)")
     check_against_run(ck, r.world, r.model, r.opt, r.args.batch_size, r.ckpt_path)
     if r.master:
         check_metrics_record(r.metrics_path, ck["step"])
@@ -668,18 +672,19 @@ def set_rng_state(st: dict) -> None:
 
 
 
+RESUME_HINT = "interrupted; --resume continues from the last checkpoint, if one was written"
+
+
 def main(argv=None) -> None:
     keep_freed_memory()
-    try:
-        train(argv)
-    except (ValueError, OSError, NonFiniteLoss, CheckpointError, RunInUse) as e:  # OSError: e.g. a full disk
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Interrupted as e:  # saved; not 0, so that `train && evaluate` does not go on
-        sys.exit(128 + e.signum)
-    except KeyboardInterrupt:  # outside the training loop (set-up, final validation, samples)
-        print("interrupted; --resume continues from the last checkpoint, if one was written", file=sys.stderr)
-        sys.exit(130)
+
+    def body():
+        try:
+            train(argv)
+        except Interrupted as e:  # saved; not 0, so that `train && evaluate` does not go on
+            sys.exit(128 + e.signum)
+    # Ctrl-C outside the training loop (set-up, final validation, samples): RESUME_HINT
+    run_command(body, errors=(NonFiniteLoss, RunInUse), interrupted=RESUME_HINT)
 
 
 if __name__ == "__main__":

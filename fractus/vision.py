@@ -24,7 +24,6 @@ V = vocab_size, K classes, L = the longest label's tokens + EOT.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 import time
@@ -36,15 +35,15 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from fractus.atomic import atomic_open
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
-from fractus.cli import device_name, natural, non_negative, number, positive_int
+from fractus.cli import device_name, natural, non_negative, number, positive_int, run_command, seed_number
 from fractus.grow import grow
 from fractus.kernels.backend import BACKENDS, check_available
 from fractus.model import PRESETS, FractusConfig, FractusCTE, sample
 from fractus.records import append_csv, csv_rows, provenance
+from fractus.runs import RunInUse, check_metrics_record, remove_leftover_temps, run_lock, truncate_metrics
 from fractus.tokenizer import get_tokenizer
-from fractus.train import (Interrupted, NonFiniteLoss, Stop, lr_lambda, make_optimizer, parse_overrides, rng_state,
+from fractus.train import (RESUME_HINT, Interrupted, NonFiniteLoss, Stop, lr_lambda, make_optimizer, parse_overrides, rng_state,
                            set_rng_state)
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -347,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-lr-ratio", type=number(float, lambda x: 0 <= x <= 1, "≥ 0 and ≤ 1"), default=0.1,
       help="cosine decay floor, as a fraction of --lr")
     a("--grad-clip", type=non_negative, default=1.0, help="gradient norm clip (0 = none)")
-    a("--seed", type=natural, default=1337, help="initialisation and batch order (the split's seed is fixed)")
+    a("--seed", type=seed_number, default=1337, help="initialisation and batch order (the split's seed is fixed)")
     a("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     a("--backend", default="auto", choices=BACKENDS)
     a("--threads", type=natural, default=0, help="torch CPU threads (0 = torch's default)")
@@ -375,24 +374,6 @@ def settings(args: dict) -> dict:
     return {k: args.get(k) for k in RESUME_KEYS}
 
 
-def read_rows(path: Path) -> list[dict]:
-    """metrics.csv's complete rows."""
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return [r for r in csv.DictReader(f) if None not in r.values()]
-
-
-def truncate_rows(path: Path, last_step: int) -> None:
-    """Drop the rows logged after step ``last_step`` (a resumed run logs them again), atomically."""
-    rows = read_rows(path)
-    if rows:
-        with atomic_open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(r for r in rows if int(r["step"]) <= last_step)
-
-
 def train(argv=None) -> dict:
     """``python -m fractus.vision train``: returns the final {val_ce, val_acc, …}. Raises
     :class:`fractus.train.Interrupted` after a SIGINT/SIGTERM stop (checkpoint saved)."""
@@ -413,6 +394,14 @@ def run(args: argparse.Namespace, t_start: float) -> dict:
         if Path(args.csv).is_dir():
             raise ValueError(f"--csv {args.csv} is a directory; give a file")
         csv_rows(args.csv, [*RESULT_COLUMNS, *provenance(device)])
+    with run_lock(out):  # one run at a time in a directory, as the text trainer's (fractus.runs)
+        remove_leftover_temps([ckpt_path, metrics_path])
+        return train_locked(args, t_start, device, out)
+
+
+def train_locked(args: argparse.Namespace, t_start: float, device: torch.device, out: Path) -> dict:
+    """:func:`run` once the run directory ``out`` is this process's."""
+    ckpt_path, metrics_path = out / "ckpt.pt", out / "metrics.csv"
     cfg = make_config(args)
     check_available(cfg.backend, device)
     vcfg = VisionConfig(image_size=8, channels=1, patch=args.patch)
@@ -445,12 +434,13 @@ def run(args: argparse.Namespace, t_start: float) -> dict:
         diff.update({f"data {k}": (v, identity[k]) for k, v in ck["data"].items() if identity.get(k) != v})
         if diff:
             raise ValueError(f"--resume with different settings than the checkpoint: {diff}")
+        check_metrics_record(metrics_path, ck["step"], every=steps_per_epoch)
         load_model_state(model, ck["model"], ckpt_path)
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
         step, elapsed, sums = ck["step"], ck["elapsed_s"], dict(ck["epoch_sums"])
         set_rng_state(ck["rng"])
-        truncate_rows(metrics_path, step)
+        truncate_metrics(metrics_path, step)
         print(f"resumed from {ckpt_path} at step {step}")
     elif ckpt_path.exists():
         raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue it, or choose another --out")
@@ -482,8 +472,9 @@ def run(args: argparse.Namespace, t_start: float) -> dict:
             parts["loss"].backward()
             loss, ce, lb = torch.stack([parts["loss"].detach(), parts["ce"].detach(), parts["lb"].detach()]).tolist()
             if not math.isfinite(loss):
-                raise NonFiniteLoss(f"non-finite loss at step {step}: lower --lr; {ckpt_path} holds the last "
-                                    f"epoch's state")
+                kept = (f"{ckpt_path}, the last saved state, is kept" if ckpt_path.exists()
+                        else "no checkpoint was written yet")
+                raise NonFiniteLoss(f"non-finite loss at step {step}: lower --lr; {kept}")
             if args.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             opt.step()
@@ -543,21 +534,18 @@ def evaluate_checkpoint(ckpt: str | Path, device: str = "cpu", backend: str = "a
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        if args.command == "train":
-            run(args, time.perf_counter())
-        else:
+
+    def body():
+        if args.command == "evaluate":
             r = evaluate_checkpoint(args.ckpt, args.device, args.backend)
             print(f"{args.ckpt}: held-out accuracy {r['val_acc']:.4f} ({len(r['answers'])} images), "
                   f"CE {r['val_ce']:.4f} nats/token")
-    except (ValueError, OSError, ImportError, NonFiniteLoss, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Interrupted as e:  # saved
-        sys.exit(128 + e.signum)
-    except KeyboardInterrupt:  # outside the training loop
-        print("interrupted; --resume continues from the last checkpoint, if one was written", file=sys.stderr)
-        sys.exit(130)
+            return
+        try:
+            run(args, time.perf_counter())
+        except Interrupted as e:  # saved
+            sys.exit(128 + e.signum)
+    run_command(body, errors=(ImportError, NonFiniteLoss, RunInUse), interrupted=RESUME_HINT)
 
 
 if __name__ == "__main__":

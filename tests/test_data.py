@@ -208,5 +208,5 @@ def test_a_full_disk_names_the_file_and_its_cause(tmp_path, capsys, monkeypatch)
     monkeypatch.undo()
     assert e.value.code == 2
     train_bin = tmp_path / "out" / "train.bin"
-    assert capsys.readouterr().err == f"error: [Errno 28] cannot write {train_bin}: No space left on device\n"
+    assert capsys.readouterr().err == f"error: cannot write {train_bin}: No space left on device\n"
     assert list((tmp_path / "out").iterdir()) == []

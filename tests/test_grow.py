@@ -76,6 +76,7 @@ VARIANTS = [("linear-router", dict(router="linear"), {}), ("dense-experts", dict
             ("shared-expert-added", {}, dict(shared_expert=24)),
             ("eot-reset-conv2", dict(eot_reset=True, short_conv=2), {}),
             ("rms-no-gate-qk-norm", dict(attn_norm="rms", attn_gate=False, qk_norm=True), {}),
+            ("window", dict(attn_window=6), {}),
             ("original", dict(ORIGINAL), dict(ORIGINAL))]
 
 

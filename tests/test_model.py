@@ -20,7 +20,7 @@ def random_configs(n=8):
     rng = random.Random(1)
     for _ in range(n):
         heads, levels = rng.choice([1, 2, 4]), rng.choice([1, 2, 3])
-        yield FractusConfig(
+        cfg = FractusConfig(
             vocab_size=97, d_model=16 * heads, n_heads=heads, n_layers=rng.choice([1, 2]), n_levels=levels,
             attn_decay=rng.choice([1.0, "multiscale", tuple(rng.uniform(0.8, 1.0) for _ in range(heads)),
                                    tuple(rng.uniform(0.8, 1.0) for _ in range(heads * levels))]),
@@ -29,11 +29,14 @@ def random_configs(n=8):
             shared_expert=rng.choice([0, 20]), n_experts=rng.choice([3, 4, 6]), top_k=rng.choice([1, 2]),
             expert_d_ff=24, expert_rank=rng.choice([0, 4]), n_oscillators=rng.choice([4, 8]), coupling_rank=2,
             router=rng.choice(["phase", "linear"]), detach_kuramoto=rng.choice([True, False]))
+        window = rng.choice([0, 5])
+        yield dataclasses.replace(cfg, attn_window=0 if cfg.eot_reset else window)
 
 
 def config_id(c: FractusConfig) -> str:
     return (f"L{c.n_levels}H{c.n_heads}r{c.expert_rank}{c.router}-{c.attn_norm}-conv{c.short_conv}"
-            f"{'-gate' if c.attn_gate else ''}{'-qkn' if c.qk_norm else ''}{'-eot' if c.eot_reset else ''}")
+            f"{'-gate' if c.attn_gate else ''}{'-qkn' if c.qk_norm else ''}{'-eot' if c.eot_reset else ''}"
+            f"{f'-win{c.attn_window}' if c.attn_window else ''}")
 
 
 @pytest.mark.parametrize("cfg", list(random_configs()), ids=config_id)
@@ -53,6 +56,27 @@ def test_decode_equals_chunked_forward(cfg):
             ticks.append(logits)
     assert_rel(torch.cat([a, b], 1), full, 1e-5, "two chunks with carried state vs one")
     assert_rel(torch.stack(ticks, 1), full, 1e-5, "step-by-step vs chunked forward")
+
+
+def test_window_attention_is_softmax_over_the_last_w_positions():
+    """Each position's output is the softmax-weighted mean of the values of the last W positions
+    (itself included), scored on RoPE-rotated q, k: a loop over positions in fp64, against the
+    window read as one chunk and as chunks carrying the window's keys."""
+    torch.manual_seed(0)
+    B, T, H, D, W = 2, 23, 3, 8, 6
+    q, k, v = (torch.randn(B, T, H, D, dtype=torch.float64) for _ in range(3))
+    cos, sin = model_mod.rope_tables(T, D, "cpu", dtype=torch.float64)
+    qr, kr = (model_mod.rotate(t.transpose(1, 2), cos, sin) for t in (q, k))  # [B, H, T, D]
+    ref = torch.empty_like(q)
+    for t in range(T):
+        lo = max(0, t - W + 1)
+        p = (qr[:, :, t:t + 1] @ kr[:, :, lo:t + 1].transpose(-1, -2) / D ** 0.5).softmax(-1)
+        ref[:, t] = (p @ v[:, lo:t + 1].transpose(1, 2)).squeeze(2)
+    y, _ = model_mod.window_attention(q, k, v, None, W)
+    assert_rel(y, ref, 1e-12, "one chunk")
+    y1, cache = model_mod.window_attention(q[:, :4], k[:, :4], v[:, :4], None, W)
+    y2, _ = model_mod.window_attention(q[:, 4:], k[:, 4:], v[:, 4:], cache, W)
+    assert_rel(torch.cat([y1, y2], 1), ref, 1e-6, "two chunks, the window's keys carried (fp32)")
 
 
 def test_short_convolution_paths():
@@ -239,7 +263,8 @@ BAD_FIELDS = [("n_layers", 0), ("n_layers", 2.5), ("n_layers", "abc"), ("n_layer
               ("tie_head", "maybe"), ("fused_ce", 1), ("detach_kuramoto", "true"), ("kuramoto_dt", 0),
               ("kuramoto_dt", float("nan")), ("gate_tau", -1.0), ("gate_kappa", 0.0), ("lb_coef", -0.1),
               ("lb_coef", "x"), ("eps", float("inf")), ("kuramoto_damping", -1), ("backend", "cuda"),
-              ("router", None), ("attn_decay", "0.9"), ("attn_decay", [0.9, True]), ("attn_decay", 0)]
+              ("router", None), ("attn_decay", "0.9"), ("attn_decay", [0.9, True]), ("attn_decay", 0),
+              ("attn_window", -1), ("attn_window", 2.0)]
 
 
 @pytest.mark.parametrize("name,value", BAD_FIELDS, ids=lambda v: repr(v))
@@ -290,7 +315,7 @@ def test_forward_and_generate_refuse_bad_shapes():
             model.tick_vec(vec, None)
     assert model.tick_vec(torch.zeros(2, 32, dtype=torch.float64), None)[0].shape == (2, 512)
     state = model(torch.ones(1, 3, dtype=torch.long))[2]
-    with pytest.raises(ValueError, match="state holds 1 blocks' \\(S, z\\), the model has 2 blocks"):
+    with pytest.raises(ValueError, match="state holds 1 blocks' state, the model has 2 blocks"):
         model(torch.ones(1, 3, dtype=torch.long), state[:1])
     x = torch.ones(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"targets shape \(2, 4\) != idx shape \(2, 3\)"):

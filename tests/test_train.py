@@ -626,7 +626,7 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     cases = [(["--resume", "--batch-size", "3"], "--resume with different settings"),
              (["--resume", "--set", "n_layers=3"], "'config n_layers': (2, 3)"),
              (["--resume", "--lr", "1e-4"], "'lr': (0.002, 0.0001)"),  # the restored optimizer would ignore it
-             (["--resume", "--weight-decay", "0.5"], "'weight_decay': (0.01, 0.5)"),
+             (["--resume", "--weight-decay", "0.5"], "'weight_decay': (0.1, 0.5)"),
              ([], "exists: pass --resume")]
     for extra, msg in cases:
         with pytest.raises(SystemExit) as e:

@@ -299,3 +299,31 @@ def test_cli_errors(reference, tmp_path, capsys):
     assert "is not a vision checkpoint" in run_cli(capsys, "train", *SMOKE, "--out", out, "--grow-from",
                                                    str(text_ckpt))
     assert "error: --csv" in run_cli(capsys, "train", *SMOKE, "--out", out, "--csv", str(tmp_path))
+
+
+def test_a_second_run_on_one_out_is_refused(tmp_path, capsys):
+    """A run holds its directory's lock (fractus.runs), as text training does: a second vision run on
+    the same --out is refused at once, and nothing of the first is touched."""
+    from fractus.runs import run_lock
+    out = tmp_path / "run"
+    with run_lock(out):
+        assert f"error: {out} is in use by another run" in run_cli(capsys, "train", *SMOKE, "--out", str(out))
+    assert not (out / "metrics.csv").exists() and not (out / "ckpt.pt").exists()
+
+
+def test_resume_refuses_a_run_whose_record_was_lost(tmp_path, capsys):
+    """--resume with metrics.csv deleted (or cut short) is refused: the run's record would lack epochs."""
+    out = tmp_path / "run"
+    V.train([*SMOKE, "--out", str(out), "--stop-after", "13"])  # past the first epoch (12 steps)
+    (out / "metrics.csv").unlink()
+    err = run_cli(capsys, "train", *SMOKE, "--out", str(out), "--resume")
+    assert "error: refusing to resume: the checkpoint is at step 13" in err and "does not exist" in err
+
+
+def test_a_first_step_failure_says_no_checkpoint_exists(tmp_path, capsys, monkeypatch):
+    def nan_loss(model, *args):
+        parts = label_loss(model, *args)
+        return {**parts, "loss": parts["loss"] * float("nan")}
+    monkeypatch.setattr(V, "label_loss", nan_loss)
+    err = run_cli(capsys, "train", *SMOKE, "--out", str(tmp_path / "run"))
+    assert "error: non-finite loss at step 0: lower --lr; no checkpoint was written yet" in err

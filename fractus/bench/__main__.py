@@ -19,6 +19,7 @@ import pandas as pd
 
 from fractus.allocator import keep_freed_memory
 from fractus.bench.common import SMOKE
+from fractus.cli import run_command
 from fractus.records import write_csv
 from fractus.verify import aot
 
@@ -86,6 +87,13 @@ def main(argv=None) -> None:
     g.add_argument("--started-at", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     keep_freed_memory()
+    if Path(a.out).exists() and not Path(a.out).is_dir():  # before any measurement, not after
+        ap.error(f"--out {a.out} is a file: give the folder its CSVs go to")
+    run_command(lambda: run(ap, a), interrupted="interrupted: the CSVs written so far are whole")
+
+
+def run(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The parsed command ``a``."""
     if a.cmd == "cpu":
         run_cpu(Path(a.out), a.only)
     elif a.cmd == "aot":

@@ -27,7 +27,7 @@ STEP_TOKENS = 2048  # tokens per optimizer step, every variant (make demo's: 32 
 LEVER_NAMES = {"attn_decay": "multi-scale decay", "attn_norm": "RMSNorm read-out (no denominator)",
                "attn_gate": "swish output gate", "short_conv": "short convolution", "qk_norm": "RMS-normalised q, k",
                "shared_expert": "shared expert", "expert_init_std": "expert output init",
-               "eot_reset": "state reset at end of text"}
+               "eot_reset": "state reset at end of text", "attn_window": "softmax window level"}
 # Levers tried beside the recipe and not kept: the value each is tried with ("2d": twice d_model).
 TRIED = {"attn_norm": "rms", "qk_norm": True, "eot_reset": True, "shared_expert": "2d"}
 

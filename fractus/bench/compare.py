@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import pandas as pd
 
-from fractus.bench.architecture import STEP_TOKENS, Variant, trained_tokens
+from fractus.bench.architecture import Variant, trained_tokens
+from fractus.cli import run_command
 from fractus.records import append_csv
 
 MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 tokens a step each)
@@ -163,18 +163,14 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", default="runs/compare", help="the runs' directories (kept for resuming)")
     ap.add_argument("--workers", type=int, default=2)
     a = ap.parse_args(argv)
-    try:
+
+    def body():
         rows = pd.read_csv(a.csv) if Path(a.csv).exists() else None
         jobs = stage_jobs(a.stage, rows)
         rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.stage, a.workers)
         print(summary(rows).to_string(float_format=lambda x: f"{x:.4g}"))
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted: finished runs are in the CSV, stopped ones resume from their run directory",
-              file=sys.stderr)
-        sys.exit(130)
+    run_command(body, interrupted="interrupted: finished runs are in the CSV; a stopped one resumes from its "
+                                  "run directory")
 
 
 if __name__ == "__main__":

@@ -45,8 +45,13 @@ from fractus.atomic import atomic_open
 from fractus.bench import common, levers, profile
 from fractus.bench.cases import GEN_PROMPT, kuramoto_case
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
-from fractus.bench.costmodel import H200_DATASHEET, H200_NVL_BF16_TFLOPS, flops_per_token
+from fractus.bench.costmodel import (
+    H200_DATASHEET,
+    H200_NVL_BF16_TFLOPS,
+    flops_per_token,
+)
 from fractus.bench.throughput import measure_training
+from fractus.cli import CommandError
 from fractus.data import prepare, write_toy_corpus
 from fractus.kernels import backend as _backend
 from fractus.model import FractusConfig, FractusCTE
@@ -443,7 +448,8 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     return the tables."""
     device = torch.device("cpu" if dry_run else "cuda")
     if not dry_run and not torch.cuda.is_available():
-        raise RuntimeError("the GPU suite needs a CUDA device; use --dry-run on CPU")
+        raise CommandError("the GPU suite needs a CUDA device (this torch sees none); --dry-run runs its code "
+                           "paths on the CPU")
     out.mkdir(parents=True, exist_ok=True)
     for name in _stage_fns(out, device, dry_run):  # an earlier run's tables: the notebooks must not
         (out / f"{name}.csv").unlink(missing_ok=True)  # read them beside this run's (a stage skipped)

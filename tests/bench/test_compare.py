@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from fractus.bench import compare as C
-from fractus.bench.architecture import Variant
+from fractus.bench.architecture import STEP_TOKENS, Variant
 from util import make_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,7 +40,7 @@ def test_run_appends_each_reading_keeps_finished_runs_and_resumes_stopped_ones(t
     models = {"default": Variant("default", "recipe", preset="tiny", chunk_len=16, batch_size=2),
               "transformer": Variant("transformer", "baseline", model="transformer", preset="tiny", chunk_len=16,
                                      batch_size=2)}
-    csv, runs, tokens = tmp_path / "compare.csv", tmp_path / "runs", 3 * C.STEP_TOKENS
+    csv, runs, tokens = tmp_path / "compare.csv", tmp_path / "runs", 3 * STEP_TOKENS
     jobs = [("default", 1e-3, 0, tokens), ("transformer", 1e-3, 0, tokens)]
     # a stopped run: its directory holds a checkpoint at step 1 of 3
     from fractus.train import train
