@@ -278,6 +278,38 @@ class TokenStreams:
         return t[:, :-1], t[:, 1:], new_epoch
 
 
+@dataclass
+class RandomWindows:
+    """``batch_size`` windows of ``chunk_len`` tokens at offsets drawn uniformly from one token
+    array, fresh at every call: the reading of a model that carries no state.
+
+    Draw i of rank r comes from a generator seeded with (``seed``, r, i), so ``position`` (the draws
+    made) is all a checkpoint needs, as :class:`TokenStreams`'s."""
+    tokens: np.ndarray
+    batch_size: int
+    chunk_len: int
+    seed: int
+    rank: int = 0
+    world: int = 1
+    position: int = 0
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.chunk_len < 1:
+            raise ValueError(f"batch_size and chunk_len must be ≥ 1, got {self.batch_size} and {self.chunk_len}")
+        if len(self.tokens) < self.chunk_len + 1:
+            raise ValueError(f"corpus too short: {len(self.tokens)} tokens cannot give a window of "
+                             f"{self.chunk_len} tokens (need ≥ {self.chunk_len + 1})")
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(x [B, C], y [B, C] int64, True): the next windows; True: each starts from a fresh state."""
+        rng = np.random.default_rng((self.seed, self.rank, self.position))
+        off = rng.integers(0, len(self.tokens) - self.chunk_len, size=self.batch_size)
+        rows = np.stack([np.asarray(self.tokens[o:o + self.chunk_len + 1], dtype=np.int64) for o in off])
+        self.position += 1
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:], True
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.data")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -38,9 +38,11 @@ def default_lr(optimizer: str, model: str | None, preset: str) -> float:
     return ADAMW_LR[model_family(model, preset)] if optimizer == "adamw" else DEFAULT_LR[optimizer]
 
 
+SAMPLING = ("streams", "windows")  # how the trainer reads the training split (fractus.data)
+
 # Arguments that must match when resuming: those that shape the run. The model's config is
 # compared as resolved (--set's overrides on the preset), except the backend.
-RESUME_KEYS = ("model", "preset", "data", "batch_size", "chunk_len", "accum", "optimizer", "seed", "lr",
+RESUME_KEYS = ("model", "preset", "data", "batch_size", "chunk_len", "sampling", "accum", "optimizer", "seed", "lr",
                "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "lb_coef", "head_positions",
                "detach_kuramoto", "active_blocks", "bf16")
 
@@ -52,6 +54,7 @@ def run_settings(args: dict) -> dict:
     d["model"] = d["model"] or "cte"  # a checkpoint that records no model kind holds the CTE
     d["data"] = str(Path(d["data"]).resolve())
     d["lr"] = default_lr(d["optimizer"], d["model"], d["preset"]) if d["lr"] is None else d["lr"]
+    d["sampling"] = d["sampling"] or ("windows" if d["model"] == "transformer" else "streams")
     d["lb_coef"] = FractusConfig.lb_coef if d["lb_coef"] is None else d["lb_coef"]
     d["bf16"] = torch.device(args["device"]).type == "cuda" if d["bf16"] is None else d["bf16"]
     return d
@@ -147,6 +150,7 @@ SAVED_ARGS = {
     **{k: (lambda v: v is None or _real(v), "None or a finite number") for k in ("lr", "lb_coef")},
     "seed": (lambda v: _int(v, -2**63), "an integer"),
     "optimizer": (lambda v: v in DEFAULT_LR, f"one of {sorted(DEFAULT_LR)}"),
+    "sampling": (lambda v: v is None or v in SAMPLING, f"None or one of {SAMPLING}"),
     "detach_kuramoto": (lambda v: isinstance(v, bool), "True or False"),
     "bf16": (lambda v: v is None or isinstance(v, bool), "None, True or False"),
     "device": (_device, "a device's name"),

@@ -39,13 +39,13 @@ from fractus.allocator import keep_freed_memory
 from fractus.baseline import Transformer, TransformerConfig
 from fractus.checkpoint import load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
 from fractus.cli import device_name, natural, non_negative, number, positive_int, run_command, seed_number
-from fractus.data import TokenStreams, load_meta, load_tokens
+from fractus.data import RandomWindows, TokenStreams, load_meta, load_tokens
 from fractus.ddp import agree, gather_states, leave, setup_distributed
 from fractus.grow import grow
 from fractus.kernels.backend import BACKENDS, check_available
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.records import provenance
-from fractus.resume import (ADAMW_LR, DEFAULT_LR, check_against_run, check_settings, check_training_state, data_identity,
+from fractus.resume import (ADAMW_LR, DEFAULT_LR, SAMPLING, check_against_run, check_settings, check_training_state, data_identity,
                             load_optimizer_state, run_settings)
 from fractus.runs import (RunInUse, append_metrics, check_metrics_record, planned_steps, record_final,
                           remove_leftover_temps, run_lock, truncate_metrics)
@@ -72,8 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--out", required=True, help="run directory: checkpoints, metrics.csv")
     a("--tokens", type=positive_int, default=3_000_000, help="training tokens (all processes together)")
     a("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE", help="config overrides, e.g. n_layers=4")
-    a("--batch-size", type=positive_int, default=8, help="streams per process (B)")
+    a("--batch-size", type=positive_int, default=8, help="streams (or windows) per process (B)")
     a("--chunk-len", type=positive_int, default=32, help="positions per chunk (C)")
+    a("--sampling", choices=SAMPLING, default=None,
+      help="streams: B contiguous streams read chunk after chunk, the state carried (the CTE's default); "
+           "windows: B windows of C tokens at random offsets each micro-step, each from a fresh state "
+           "(the transformer's default)")
     a("--accum", type=positive_int, default=8, help="micro-steps per optimizer step")
     a("--head-positions", default="all", choices=("all", "last"))
     a("--detach-kuramoto", action="store_true")
@@ -214,7 +218,7 @@ class Run:
     world: int  # processes
     device: torch.device
     meta: dict  # the data directory's meta.json
-    streams: TokenStreams  # this process's training streams; their position is the run's data position
+    streams: TokenStreams | RandomWindows  # this process's training data; its position is the run's data position
     val_tokens: torch.Tensor
     cfg: FractusConfig | TransformerConfig
     settings: dict  # run_settings: what a resume must match
@@ -271,7 +275,11 @@ def set_up(args: argparse.Namespace) -> Run:
     rank, world, device = setup_distributed(args.device)
     meta = load_meta(args.data)
     train_tok, val_tok = load_tokens(args.data, "train", meta), load_tokens(args.data, "val", meta)
-    streams = TokenStreams(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world)
+    settings = run_settings(vars(args))
+    if settings["sampling"] == "streams":
+        streams = TokenStreams(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world)
+    else:
+        streams = RandomWindows(train_tok, args.batch_size, args.chunk_len, args.seed, rank=rank, world=world)
     try:  # a too-short split fails now, not at evaluation
         TokenStreams(val_tok, world * args.batch_size, args.chunk_len)
     except ValueError as e:
@@ -281,7 +289,6 @@ def set_up(args: argparse.Namespace) -> Run:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file: give a run directory")
-    settings = run_settings(vars(args))
     total_steps = planned_steps(vars(args), world)
     if args.active_blocks and (args.active_blocks > cfg.n_layers or world > 1):
         raise ValueError("--active-blocks must be ≤ n_layers, and is single-process only")
@@ -351,7 +358,7 @@ def announce(r: Run) -> None:
     print(f"{name}: {r.model.num_params():,} parameters "
           f"({r.model.num_params(active=True):,} active per token), vocab {r.cfg.vocab_size}, "
           f"{r.device}{' bf16' if r.bf16 else ''}, {r.world} process(es)")
-    print(f"global batch {r.world}×{args.batch_size} streams × {args.chunk_len} × accum {args.accum} = "
+    print(f"global batch {r.world}×{args.batch_size} {r.settings['sampling']} × {args.chunk_len} × accum {args.accum} = "
           f"{r.tokens_per_step:,} tokens/step, lr {r.settings['lr']:g} ({args.optimizer}), {r.total_steps} steps")
 
 
@@ -441,7 +448,7 @@ def save(r: Run, p: Progress) -> None:
             "optimizer": r.opt.state_dict(), "scheduler": r.sched.state_dict(), "step": p.step,
             "data_position": r.streams.position, "states": states, "rng": rng_state(), "elapsed_s": p.elapsed,
             "counters": {"nan_run": p.nan_run, "skipped": p.skipped}, "ancestor": p.ancestor,
-            "args": {**vars(args), "data": r.settings["data"], "lr": r.settings["lr"]}, "world": r.world, "sessions": p.sessions,
+            "args": {**vars(args), **{k: r.settings[k] for k in ("data", "lr", "sampling")}}, "world": r.world, "sessions": p.sessions,
             "meta": data_identity(r.meta)})
     if r.world > 1:  # none leaves before the file is written: torchrun stops the rest once one exits non-zero
         torch.distributed.barrier()

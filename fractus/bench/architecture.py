@@ -43,6 +43,7 @@ class Variant:
     changes: tuple = field(default=())  # ((config field, value), …)
     chunk_len: int = 64
     batch_size: int = 32  # streams; accumulation: STEP_TOKENS / (batch_size · chunk_len)
+    sampling: str | None = None  # the trainer's --sampling (None: the model's default)
 
     @property
     def changes_cli(self) -> str:
@@ -56,7 +57,8 @@ class Variant:
         return ["--model", self.model, "--preset", self.preset, "--data", str(data), "--out", str(out),
                 "--tokens", str(tokens), "--batch-size", str(self.batch_size), "--chunk-len", str(self.chunk_len),
                 "--accum", str(accum), "--seed", str(seed), "--threads", str(threads), "--eval-every", "0",
-                "--ckpt-every", "0", "--sample-tokens", "0", "--no-progress", *(["--set", *sets] if sets else [])]
+                "--ckpt-every", "0", "--sample-tokens", "0", "--no-progress", *(["--set", *sets] if sets else []),
+                *(["--sampling", self.sampling] if self.sampling else [])]
 
 
 def _cli(v) -> str:
