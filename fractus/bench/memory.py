@@ -1,0 +1,176 @@
+"""What the carried state remembers: context by position, resets, and associative recall.
+
+Three measurements, each for the CTE models and the Transformer++ (notebook ``08_memory``):
+
+- :func:`ce_by_position`: validation CE by position since a cold start, the split read as
+  contiguous streams (the CTE, state carried) or as windows of the transformer's context, in
+  log-spaced buckets;
+- :func:`ce_with_resets`: validation CE with the state started afresh every R tokens against the
+  state carried through each stream;
+- multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): :func:`mqar` writes
+  sequences of key–value pairs followed by queries of the keys; :func:`train_recall` trains a model
+  on them and scores its accuracy on held-out sequences at the queried positions only.
+
+Shapes: B sequences, T positions, V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fractus.baseline import Transformer, TransformerConfig
+from fractus.data import TokenStreams
+from fractus.model import FractusConfig, FractusCTE
+from fractus.train import lr_lambda, make_optimizer
+
+BUCKETS = (0, 16, 64, 256, 1024, 4096)  # lower edges of the position buckets (the last runs to the end)
+RESETS = (16, 64, 256, 1024, 4096)  # state reset every R tokens
+
+
+# -- the language model's context -------------------------------------------------------------
+def token_losses(model, tokens, streams: int, chunk_len: int, carried: bool = True) -> torch.Tensor:
+    """Per-token CE [streams, L] (L = the streams' whole chunks) of ``model`` reading ``tokens`` as
+    ``streams`` contiguous streams of ``chunk_len``-token chunks, the state carried from chunk to
+    chunk (``carried``) or each chunk read from an empty state."""
+    was = model.training
+    model.eval()
+    s = TokenStreams(tokens, streams, chunk_len)
+    out, state = [], None
+    with torch.no_grad():
+        for _ in range(s.chunks_per_epoch):
+            x, y, _ = s.next()
+            logits, _, state = model(x, state if carried else None)
+            out.append(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(y.shape))
+    model.train(was)
+    return torch.cat(out, 1)
+
+
+def ce_by_position(model, tokens, streams: int, chunk_len: int, buckets=BUCKETS) -> list[dict]:
+    """Mean CE of the tokens in each position bucket since each stream's cold start: rows
+    {bucket_lo, bucket_hi, positions, ce}. A stateless model reads every chunk afresh, so its
+    positions are those within its chunk (its context)."""
+    carried = not isinstance(model, Transformer)
+    losses = token_losses(model, tokens, streams, chunk_len, carried)  # [S, L]
+    pos = torch.arange(losses.shape[1]) if carried else torch.arange(losses.shape[1]) % chunk_len
+    rows = []
+    for lo, hi in zip(buckets, (*buckets[1:], math.inf)):
+        sel = (pos >= lo) & (pos < hi)
+        if sel.any():
+            rows.append({"bucket_lo": lo, "bucket_hi": min(hi, int(pos.max()) + 1), "positions": int(sel.sum()),
+                         "ce": float(losses[:, sel].mean())})
+    return rows
+
+
+def ce_with_resets(model, tokens, streams: int, chunk_len: int, resets=RESETS) -> list[dict]:
+    """CE with the state started afresh every R tokens (chunks of R read from an empty state),
+    and with the state carried through each stream (``reset`` None): rows {reset, ce}."""
+    rows = [{"reset": None, "ce": float(token_losses(model, tokens, streams, chunk_len).mean())}]
+    stream_len = (len(tokens) - 1) // streams
+    for r in resets:
+        if r <= stream_len:
+            rows.append({"reset": r, "ce": float(token_losses(model, tokens, streams, r, carried=False).mean())})
+    return rows
+
+
+# -- multi-query associative recall -------------------------------------------------------------
+def mqar(n: int, seq_len: int, pairs: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` MQAR sequences (x, y [n, seq_len] int64), drawn from ``seed`` alone.
+
+    The vocabulary splits in three: token 0 (filler), keys [1, vocab/2), values [vocab/2, vocab).
+    A sequence lists ``pairs`` distinct keys, each followed by its value (positions 0 … 2·pairs − 1),
+    then queries each key once at a random later position, the rest filler. The target y is the
+    next token where a key is queried (its value) and −100 (not scored) everywhere else."""
+    half = vocab // 2
+    if pairs < 1 or 2 * pairs + pairs > seq_len or pairs > half - 1:
+        raise ValueError(f"{pairs} pairs do not fit {seq_len} positions and a vocabulary of {vocab}: need "
+                         f"3·pairs ≤ seq_len and pairs < vocab/2")
+    rng = np.random.default_rng(seed)
+    x = np.zeros((n, seq_len), dtype=np.int64)
+    y = np.full((n, seq_len), -100, dtype=np.int64)
+    for i in range(n):
+        keys = rng.choice(np.arange(1, half), size=pairs, replace=False)
+        values = rng.integers(half, vocab, size=pairs)
+        x[i, 0:2 * pairs:2], x[i, 1:2 * pairs:2] = keys, values
+        where = 2 * pairs + rng.choice(seq_len - 2 * pairs, size=pairs, replace=False)
+        x[i, where] = keys
+        y[i, where] = values
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+@dataclass(frozen=True)
+class RecallModel:
+    """A model of MQAR's grid: "cte" (a preset's switches at width ``d_model``, ``changes`` on
+    top) or "transformer" (the Transformer++ at the same width and depth)."""
+    name: str
+    kind: str = "cte"
+    preset: str = "palier0"
+    changes: tuple = ()
+
+    def build(self, d_model: int, n_layers: int, vocab: int, seq_len: int):
+        if self.kind == "transformer":
+            return Transformer(TransformerConfig(vocab_size=vocab, d_model=d_model, head_dim=32, n_layers=n_layers,
+                                                 context=seq_len))
+        heads = max(1, d_model // 64)
+        return FractusCTE(FractusConfig.preset(self.preset, vocab_size=vocab, d_model=d_model, n_heads=heads,
+                                               n_layers=n_layers, expert_d_ff=d_model, **dict(self.changes)))
+
+
+RECALL_MODELS = (
+    RecallModel("default"),
+    RecallModel("transformer", kind="transformer"),
+    RecallModel("original", preset="original-palier0"),
+    RecallModel("default, softmax window 64", changes=(("attn_window", 64),)),
+    RecallModel("default, one level", changes=(("n_levels", 1),)),
+    RecallModel("default, linear router", changes=(("router", "linear"),)),
+    RecallModel("default, no decay", changes=(("attn_decay", 1.0),)),
+)
+
+
+def train_recall(spec: RecallModel, seq_len: int, pairs: int, lr: float, seed: int, d_model: int = 64,
+                 n_layers: int = 2, vocab: int = 256, steps: int = 1500, batch: int = 64,
+                 n_test: int = 1000) -> dict:
+    """Train ``spec`` on fresh MQAR batches (``steps`` AdamW steps of ``batch`` sequences, warm-up
+    then cosine) and score it on ``n_test`` held-out sequences: the fraction of queried values
+    predicted exactly (argmax). Returns a row with the model's name, the task, the rate, the seed,
+    the accuracy, the final training loss and the training seconds."""
+    torch.manual_seed(seed)
+    model = spec.build(d_model, n_layers, vocab, seq_len)
+    opt = make_optimizer(model, "adamw", lr, 0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, steps // 10), steps, 0.1))
+    t0, loss = time.perf_counter(), float("nan")
+    for step in range(steps):
+        x, y = mqar(batch, seq_len, pairs, vocab, seed=1_000_003 * seed + step + 1)
+        _, parts, _ = model(x, None, y)
+        parts["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        loss = float(parts["ce"].detach())
+    train_s = time.perf_counter() - t0
+    return {"model": spec.name, "d_model": d_model, "n_layers": n_layers, "seq_len": seq_len, "pairs": pairs,
+            "vocab": vocab, "lr": lr, "seed": seed, "steps": steps, "accuracy": recall_accuracy(model, seq_len, pairs,
+                                                                                            vocab, n_test),
+            "train_ce": loss, "params": model.num_params(), "train_s": train_s}
+
+
+@torch.no_grad()
+def recall_accuracy(model, seq_len: int, pairs: int, vocab: int, n: int, seed: int = -1) -> float:
+    """The fraction of the queried values ``model`` predicts (argmax) on ``n`` held-out sequences
+    (drawn from a seed no training batch uses)."""
+    was = model.training
+    model.eval()
+    x, y = mqar(n, seq_len, pairs, vocab, seed=2 ** 40 + (seed if seed >= 0 else 0))
+    right = total = 0
+    for i in range(0, n, 100):
+        logits = model(x[i:i + 100])[0]
+        scored = y[i:i + 100] != -100
+        right += int((logits.argmax(-1)[scored] == y[i:i + 100][scored]).sum())
+        total += int(scored.sum())
+    model.train(was)
+    return right / total

@@ -1,0 +1,57 @@
+"""The memory measurements: the MQAR generator (deterministic, keys then queries, loss only at the
+queried positions), recall learnt by a small attention model, and the position and reset curves."""
+import pytest
+import torch
+
+from fractus.bench import memory as M
+from fractus.baseline import Transformer, TransformerConfig
+from fractus.model import FractusConfig, FractusCTE
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_mqar_is_deterministic_and_scores_only_the_queries():
+    x, y = M.mqar(50, 40, 6, 64, seed=3)
+    x2, y2 = M.mqar(50, 40, 6, 64, seed=3)
+    assert torch.equal(x, x2) and torch.equal(y, y2) and not torch.equal(x, M.mqar(50, 40, 6, 64, seed=4)[0])
+    for xs, ys in zip(x, y):
+        keys, values = xs[0:12:2], xs[1:12:2]
+        assert len(set(keys.tolist())) == 6 and (keys >= 1).all() and (keys < 32).all() and (values >= 32).all()
+        scored = (ys != -100).nonzero().flatten()
+        assert len(scored) == 6 and (scored >= 12).all()  # each key queried once, after the pairs
+        for t in scored:  # the query is the key, the target its value
+            i = keys.tolist().index(int(xs[t]))
+            assert ys[t] == values[i]
+        rest = torch.ones(40, dtype=torch.bool)
+        rest[:12] = False
+        rest[scored] = False
+        assert (xs[rest] == 0).all()  # filler elsewhere
+    with pytest.raises(ValueError, match="do not fit"):
+        M.mqar(1, 10, 4, 64, seed=0)
+
+
+def test_a_small_attention_model_learns_two_pair_recall():
+    r = M.train_recall(M.RecallModel("t", kind="transformer"), 12, 2, 3e-3, 0, d_model=32, steps=600, batch=64,
+                       vocab=32, n_test=500)
+    assert r["params"] < 30_000 and r["accuracy"] > 0.9, r
+
+
+def test_chance_is_the_floor_before_training():
+    model = M.RecallModel("default").build(32, 1, 64, 24)
+    assert M.recall_accuracy(model, 24, 4, 64, 200) < 0.2  # 32 values: chance 1/32
+
+
+def test_position_and_reset_curves():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (2001,)).numpy()
+    cte = FractusCTE(FractusConfig.preset("tiny", vocab_size=50))
+    rows = M.ce_by_position(cte, tokens, 4, 25, buckets=(0, 16, 64, 256))
+    assert [r["bucket_lo"] for r in rows] == [0, 16, 64, 256] and sum(r["positions"] for r in rows) == 500
+    whole = M.token_losses(cte, tokens, 4, 25).mean()
+    assert abs(sum(r["ce"] * r["positions"] for r in rows) / 500 - float(whole)) < 1e-4
+    resets = M.ce_with_resets(cte, tokens, 4, 25, resets=(25, 100, 1000))
+    assert [r["reset"] for r in resets] == [None, 25, 100]  # 1000 > a stream's 500 tokens
+    assert abs(resets[0]["ce"] - float(whole)) < 1e-6
+    tf = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=1, context=25))
+    rows = M.ce_by_position(tf, tokens, 4, 25, buckets=(0, 16, 64))
+    assert [r["bucket_lo"] for r in rows] == [0, 16] and rows[-1]["bucket_hi"] == 25  # within its context
