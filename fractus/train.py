@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
            "with a time limit; continue with --resume)")
     a("--grow-from", metavar="CKPT",
       help="start from CKPT's model grown to the preset (fresh optimizer; ignored with --resume)")
+    a("--schedule", metavar="PRESET:TOKENS,…",
+      help="progressive growth in one run: train each stage's preset for its tokens, then grow into the next "
+           "(e.g. palier0:3M,palier1:6M; a stage may add :lr=LR and :warmup=STEPS); replaces --preset and "
+           "--tokens; stages in OUT/<i>-<preset>, one record in OUT/metrics.csv (fractus.schedule)")
     a("--sample-tokens", type=natural, default=40, help="tokens generated per prompt at the end (0 = none)")
     a("--seed", type=seed_number, default=1337)
     a("--threads", type=natural, default=0, help="torch CPU threads (0 = torch's default)")
@@ -173,6 +177,9 @@ def train(argv=None) -> dict:
     """Run the CLI; returns the final metrics. Raises :class:`Interrupted` after a SIGINT/SIGTERM stop
     (checkpoint saved; ``main`` exits with 128 + the signal's number)."""
     args = build_parser().parse_args(argv)
+    if args.schedule:
+        from fractus.schedule import run_schedule
+        return run_schedule(args)
     with contextlib.ExitStack() as held:  # the run directory's lock (rank 0), released however the run ends
         return run(args, held)
 
