@@ -36,7 +36,24 @@ MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 t
                            batch_size=8),
     "original": Variant("original", "original", preset="original-palier0"),
 }
-HEADLINE = {"default": "carried", "original": "carried", "transformer": "sliding"}  # each model's own reading
+# Levers tried on the default CTE beside the three models (stage "levers", at one rate): name → model
+LEVERS = {
+    "default + window 64": Variant("default + window 64", "lever", preset="palier0", changes=(("attn_window", 64),)),
+    "default, 8 streams of 256": Variant("default, 8 streams of 256", "lever", preset="palier0", chunk_len=256,
+                                         batch_size=8),
+    "default, random windows of 256": Variant("default, random windows of 256", "lever", preset="palier0",
+                                              chunk_len=256, batch_size=8, sampling="windows"),
+    "default + window 64, random windows of 256": Variant(
+        "default + window 64, random windows of 256", "lever", preset="palier0", changes=(("attn_window", 64),),
+        chunk_len=256, batch_size=8, sampling="windows"),
+}
+
+
+def headline_reading(model: str) -> str:
+    """A model's own reading of the held-out split: sliding windows for the transformer, the state
+    carried through contiguous streams for every CTE."""
+    return "sliding" if model == "transformer" else "carried"
+
 LRS = (3.75e-4, 7.5e-4, 1.5e-3, 3e-3, 6e-3)  # AdamW peak rates, ×2 apart
 DEMO_TOKENS = 3_000_000  # make demo's budget
 BUDGET_TOKENS = 27_000_000  # about 20 tokens per parameter at palier0 (1.35–1.44 M parameters)
@@ -65,7 +82,7 @@ def train_one(model: str, v: Variant, lr: float, seed: int, tokens: int, data, r
     params = load_model(out / "ckpt.pt").num_params()
     base = {"model": model, "preset": v.preset, "params": params, "tokens": last["tokens"], "lr": lr, "seed": seed}
     timing = {"wall_s": wall, "tok_s": last["tokens"] / last["elapsed_s"], "threads": threads, "stage": stage}
-    readings = {HEADLINE[model]: ""} | ({"chunks": "_chunks"} if model == "transformer" else {})
+    readings = {headline_reading(model): ""} | ({"chunks": "_chunks"} if model == "transformer" else {})
     return [{**base, "eval": name, "val_ce": last[f"val_ce{sfx}"], "val_bpb": last[f"val_bpb{sfx}"],
              "val_ppl": last[f"val_ppl{sfx}"], **timing} for name, sfx in readings.items()]
 
@@ -106,7 +123,7 @@ def run(jobs: list[tuple], data, csv: Path, runs: Path, stage: str, workers: int
 
 def headline(rows: pd.DataFrame) -> pd.DataFrame:
     """Each run's row of its model's own reading (carried for the CTEs, sliding for the transformer)."""
-    return rows[rows["eval"] == rows["model"].map(HEADLINE)]
+    return rows[rows["eval"] == rows["model"].map(headline_reading)]
 
 
 def best_lr(rows: pd.DataFrame, model: str, tokens: int = DEMO_TOKENS) -> float:
@@ -119,18 +136,25 @@ def best_lr(rows: pd.DataFrame, model: str, tokens: int = DEMO_TOKENS) -> float:
 
 
 def stage_jobs(stage: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=LRS, seeds=SEEDS,
-               demo_tokens: int = DEMO_TOKENS, budget_tokens: int = BUDGET_TOKENS) -> list[tuple]:
+               demo_tokens: int = DEMO_TOKENS, budget_tokens: int = BUDGET_TOKENS,
+               lr: float | None = None) -> list[tuple]:
     """The (model, lr, seed, tokens) runs of ``stage``; ``seeds`` and ``budget`` take each model's
-    best rate from the sweep's rows (``rows``)."""
+    best rate from the sweep's rows (``rows``), ``levers`` train each of :data:`LEVERS` at ``lr``
+    (default: the default CTE's best)."""
     if stage == "sweep":  # rates from the middle out, so that the first finished runs say the most
         order = sorted(lrs, key=lambda lr: abs(lrs.index(lr) - (len(lrs) - 1) / 2))
         return [(m, lr, seeds[0], demo_tokens) for lr in order for m in models]
+    if rows is None:
+        raise ValueError(f"stage {stage} needs the sweep's rows: run the sweep first")
+    if stage == "levers":
+        lr = best_lr(rows[rows["stage"] == "sweep"], "default", demo_tokens) if lr is None else lr
+        return [(m, lr, seeds[0], demo_tokens) for m in LEVERS]
     best = {m: best_lr(rows[rows["stage"] == "sweep"], m, demo_tokens) for m in models}
     if stage == "seeds":
         return [(m, best[m], s, demo_tokens) for s in seeds for m in models]
     if stage == "budget":
         return [(m, best[m], seeds[0], budget_tokens) for m in models]
-    raise ValueError(f"unknown stage {stage!r}: sweep, seeds or budget")
+    raise ValueError(f"unknown stage {stage!r}: sweep, seeds, budget or levers")
 
 
 def summary(rows: pd.DataFrame, tokens: int = DEMO_TOKENS) -> pd.DataFrame:
@@ -157,7 +181,9 @@ def summary(rows: pd.DataFrame, tokens: int = DEMO_TOKENS) -> pd.DataFrame:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.bench.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("sweep", "seeds", "budget"))
+    ap.add_argument("stage", choices=("sweep", "seeds", "budget", "levers"))
+    ap.add_argument("--lr", type=float, default=None, help="levers: the rate they train at (default: the default "
+                                                              "CTE's best of the sweep)")
     ap.add_argument("--data", required=True, help="directory written by `python -m fractus.data prepare`")
     ap.add_argument("--csv", default="results/compare_cpu.csv")
     ap.add_argument("--runs", default="runs/compare", help="the runs' directories (kept for resuming)")
@@ -166,8 +192,8 @@ def main(argv=None) -> None:
 
     def body():
         rows = pd.read_csv(a.csv) if Path(a.csv).exists() else None
-        jobs = stage_jobs(a.stage, rows)
-        rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.stage, a.workers)
+        jobs = stage_jobs(a.stage, rows, lr=a.lr)
+        rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.stage, a.workers, models={**MODELS, **LEVERS})
         print(summary(rows).to_string(float_format=lambda x: f"{x:.4g}"))
     run_command(body, interrupted="interrupted: finished runs are in the CSV; a stopped one resumes from its "
                                   "run directory")

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def rows(spec):
     """CSV rows from (model, lr, seed, val_ce) at 3 M tokens, each model's own reading."""
     return pd.DataFrame([{"model": m, "lr": lr, "seed": s, "tokens": C.trained_tokens(C.DEMO_TOKENS),
-                          "eval": C.HEADLINE[m], "val_ce": ce, "val_bpb": ce / 2, "tok_s": 1000.0, "stage": "sweep"}
+                          "eval": C.headline_reading(m), "val_ce": ce, "val_bpb": ce / 2, "tok_s": 1000.0, "stage": "sweep"}
                          for m, lr, s, ce in spec])
 
 
@@ -29,6 +29,8 @@ def test_sweep_then_seeds_and_budget_at_each_model_s_best_rate():
     assert ("default", 3e-3, 2, C.DEMO_TOKENS) in seeds and len(seeds) == 3 * len(C.SEEDS)
     assert C.stage_jobs("budget", r) == [(m, lr, 0, C.BUDGET_TOKENS) for m, lr in
                                          (("default", 3e-3), ("transformer", 1.5e-3), ("original", 3e-3))]
+    assert C.stage_jobs("levers", r, lr=2e-3) == [(m, 2e-3, 0, C.DEMO_TOKENS) for m in C.LEVERS]
+    assert {j[1] for j in C.stage_jobs("levers", r)} == {3e-3}  # the default's best
     t = C.summary(r)
     assert t.loc["default", "ce_vs_transformer"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="no original runs"):
