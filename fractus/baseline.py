@@ -59,7 +59,8 @@ class TransformerConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TransformerConfig":
+    def from_saved(cls, d: dict) -> "TransformerConfig":
+        """The config a checkpoint saved as ``d`` (missing fields: the defaults)."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

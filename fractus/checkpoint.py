@@ -113,11 +113,11 @@ def check_finite(state: dict, source="checkpoint") -> None:
 
 
 def model_from_checkpoint(ckpt: dict, path, model_cls, cfg_cls, backend: str | None = None) -> torch.nn.Module:
-    """``model_cls(cfg_cls.from_dict(ckpt["config"]))`` with the checkpoint's weights; ``backend``
+    """``model_cls(cfg_cls.from_saved(ckpt["config"]))`` with the checkpoint's weights; ``backend``
     replaces the kernels' backend it was saved with. CheckpointError naming ``path`` for a config
     that is not a valid one, or weights that do not fit it."""
     try:
-        cfg = cfg_cls.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})})
+        cfg = cfg_cls.from_saved({**ckpt["config"], **({"backend": backend} if backend else {})})
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
     model = model_cls(cfg)

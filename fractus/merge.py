@@ -67,7 +67,7 @@ def merge(paths: list[str | Path], out: str | Path | None = None,
         if first_cfg is None:
             first_cfg = ck["config"]
             try:
-                cfg = FractusConfig.from_dict(first_cfg)
+                cfg = FractusConfig.from_saved(first_cfg)
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"{path}: invalid config ({e})") from None
             with torch.device("meta"):

@@ -55,7 +55,7 @@ class FractusConfig:
     attn_window: int = 0  # > 0: one more level, softmax attention over the last attn_window positions (RoPE)
     eot_reset: bool = False  # an end-of-text token (id vocab_size − 1) starts the state afresh
     shared_expert: int = 0  # d_ff of a dense expert every token uses beside the routed ones (0: none)
-    expert_init_std: float = 0.02  # std of the experts' output factors (U2/W2) is this / √(2·n_layers)
+    expert_init_std: float = 0.02  # std of W2 is this / √(2·n_layers); of a low-rank U2, / √(2·n_layers·r)
     n_experts: int = 4
     top_k: int = 2
     expert_d_ff: int = 128
@@ -120,7 +120,7 @@ class FractusConfig:
     def preset(cls, name: str, **overrides) -> "FractusConfig":
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls.from_dict({**PRESETS[name], **overrides})
+        return cls.from_saved({**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -129,10 +129,11 @@ class FractusConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FractusConfig":
-        """The config of ``d`` (a checkpoint's, a preset's); a lever ``d`` does not name takes the
-        original architecture's value (:data:`ORIGINAL`), so a config written before the levers
-        existed is read as the architecture it was trained as."""
+    def from_saved(cls, d: dict) -> "FractusConfig":
+        """The config a checkpoint (or a preset) saved as ``d``. Unlike ``FractusConfig(**d)``, whose
+        missing fields take the default architecture's values, a lever ``d`` does not name takes the
+        original architecture's (:data:`ORIGINAL`): a config saved before that lever existed is read
+        as the architecture it was trained as."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -629,7 +630,8 @@ class FractusCTE(nn.Module):
         ``routing`` [(expert ids [B, T, K], probs [B, T, E]) per block]. With targets the
         fused tied-head cross-entropy runs and logits are not formed. ``head_positions="last"``
         supervises only the chunk's last position (the original's head-partial). With ``eot_reset``
-        the state starts afresh at every end-of-text token (id vocab_size − 1), which begins a document.
+        the state starts afresh at every end-of-text token (id vocab_size − 1), which the prepared
+        data appends after each document.
         """
         self.check_tokens(idx)
         with record_function("embedding"):

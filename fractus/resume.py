@@ -80,7 +80,7 @@ def check_settings(ck: dict, settings: dict, cfg, meta: dict, world: int, path) 
     if "model" not in diff:  # the same kind of model: its configs compare
         now_cfg = cfg.to_dict()
         try:
-            saved_cfg = type(cfg).from_dict({**ck["config"], "backend": cfg.backend}).to_dict()
+            saved_cfg = type(cfg).from_saved({**ck["config"], "backend": cfg.backend}).to_dict()
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
         diff.update({f"config {k}": (v, now_cfg[k]) for k, v in saved_cfg.items() if v != now_cfg[k]})

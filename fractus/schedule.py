@@ -139,20 +139,20 @@ def run_schedule(args: argparse.Namespace) -> dict:
     stages = parse_schedule(args.schedule)
     out = Path(args.out)
     active = check_schedule(args, stages)
-    spec = {"schedule": [vars(s) for s in stages]}
+    plan = {"schedule": [vars(s) for s in stages]}
     with run_lock(out):
         remove_leftover_temps([out / "metrics.csv", out / "schedule.json"])
         if args.resume:
             saved = json.loads((out / "schedule.json").read_text()) if (out / "schedule.json").exists() else None
             if saved is None:
                 raise FileNotFoundError(f"--resume: no schedule.json in {out}")
-            if saved != spec:
-                raise ValueError(f"--resume with another schedule than {out}'s: {saved['schedule']} vs {spec['schedule']}")
+            if saved != plan:
+                raise ValueError(f"--resume with another schedule than {out}'s: {saved['schedule']} vs {plan['schedule']}")
         elif (out / "schedule.json").exists():
             raise FileExistsError(f"{out / 'schedule.json'} exists: pass --resume to continue that schedule, or "
                                   "choose another --out")
         with atomic_open(out / "schedule.json") as f:
-            f.write(json.dumps(spec, indent=1))
+            f.write(json.dumps(plan, indent=1))
         last = {}
         for i in range(len(stages)):
             a = stage_args(args, stages, i)

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="the Fractus CTE, or the Transformer++ it is measured against (fractus.baseline: the preset's "
            "width and depth, heads of 32, a context of --chunk-len, no carried state)")
     a("--preset", default="palier0", choices=sorted(PRESETS),
-      help="the model's dimensions (README's table); its vocabulary is the data's")
+      help="the model's dimensions (docs/model.md, section 6); its vocabulary is the data's")
     a("--data", required=True, help="directory written by `python -m fractus.data prepare`")
     a("--out", required=True, help="run directory: checkpoints, metrics.csv")
     a("--tokens", type=positive_int, default=3_000_000, help="training tokens (all processes together)")
@@ -155,7 +155,7 @@ def make_config(args, vocab_size: int) -> FractusConfig | TransformerConfig:
         if "context" in over or "backend" in over:
             raise ValueError("set the transformer's context with --chunk-len and its backend with --backend, not --set")
         dims = {k: PRESETS[args.preset][k] for k in ("d_model", "n_layers")}
-        return TransformerConfig.from_dict({**dims, "vocab_size": vocab_size, **over, "context": args.chunk_len,
+        return TransformerConfig.from_saved({**dims, "vocab_size": vocab_size, **over, "context": args.chunk_len,
                                     "backend": args.backend})
     flagged = {k: FLAG_FIELDS[k] for k in over if k in FLAG_FIELDS}
     if flagged:

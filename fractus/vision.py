@@ -212,7 +212,7 @@ class VisionCTE(nn.Module):
             raise CheckpointError(f"{path} is not a vision checkpoint (no 'vision' entry): a text model is "
                                   f"loaded with FractusCTE.load")
         try:
-            cfg = FractusConfig.from_dict({**ckpt["config"], **({"backend": backend} if backend else {})})
+            cfg = FractusConfig.from_saved({**ckpt["config"], **({"backend": backend} if backend else {})})
             vcfg = VisionConfig(**ckpt["vision"])
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None

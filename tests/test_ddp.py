@@ -56,7 +56,7 @@ def test_ddp_step_equals_single_process_step(tmp_path, extra):
     val = [float(metrics_rows(tmp_path / out)[-1]["val_ce"]) for out in ("ddp", "one")]
     assert val[0] == pytest.approx(val[1], rel=1e-5), "rank 0 validates on the single process's 4 streams"
     torch.manual_seed(1337)  # the trainer's initialisation
-    init = FractusCTE(FractusConfig.from_dict(a["config"])).state_dict()
+    init = FractusCTE(FractusConfig.from_saved(a["config"])).state_dict()
     for k, v in b["model"].items():  # per tensor: fp32 sums in another order (level_logits ≈ 2e-5)
         assert rel_err(a["model"][k], v) < 1e-4, f"{k}: parameters after the step differ"
     pa, pb = (torch.cat([ck["model"][k].flatten() for k in init]) for ck in (a, b))

@@ -104,7 +104,7 @@ def test_merge_refuses_different_phases_and_bad_files(tmp_path):
 
 
 def test_merge_needs_one_ancestor(tmp_path, capsys):
-    """Trainer checkpoints: runs from one seed merge, runs from two seeds are refused (SPEC: the
+    """Trainer checkpoints: runs from one seed merge, runs from two seeds are refused (the
     original merged shards started from different seeds), and so is a checkpoint without a record."""
     data = make_corpus(tmp_path)
     runs = {}
@@ -113,7 +113,7 @@ def test_merge_needs_one_ancestor(tmp_path, capsys):
         train(cli(data, tmp_path / name, "--seed", str(seed), "--eval-every", "0", tokens=2 * 32))
     ab, _ = merge([runs["a"], runs["b"]])
     torch.manual_seed(1)
-    assert ab["ancestor"] == weights_fingerprint(FractusCTE(FractusConfig.from_dict(ab["config"])).state_dict())
+    assert ab["ancestor"] == weights_fingerprint(FractusCTE(FractusConfig.from_saved(ab["config"])).state_dict())
     with pytest.raises(SystemExit) as e:
         main([str(runs["a"]), str(runs["c"]), "-o", str(tmp_path / "m.pt")])
     assert e.value.code == 2 and "started from different weights" in capsys.readouterr().err

@@ -148,13 +148,13 @@ def test_a_config_without_levers_is_the_original():
     """A config dict written before the levers existed (a checkpoint's) is read as the original
     architecture, not as the default; the default's own dict round-trips."""
     old = {k: v for k, v in FractusConfig.preset("original-tiny").to_dict().items() if k not in model_mod.ORIGINAL}
-    assert FractusConfig.from_dict(old) == FractusConfig.preset("original-tiny")
+    assert FractusConfig.from_saved(old) == FractusConfig.preset("original-tiny")
     new = FractusConfig.preset("tiny")
-    assert FractusConfig.from_dict(new.to_dict()) == new and new != FractusConfig.preset("original-tiny")
+    assert FractusConfig.from_saved(new.to_dict()) == new and new != FractusConfig.preset("original-tiny")
 
 
 def test_1b_parameter_count():
-    """The original architecture at 1b's dimensions, exactly (within 0.3% of the original model's
+    """The original architecture at 1b's dimensions, exactly (within 0.04 % of the original model's
     1,048,631,458 parameters; 183.1M active with the tied embedding, 118.8M without), and the
     default's, so that a change of either architecture shows here."""
     counts = {}
@@ -184,7 +184,7 @@ def test_presets_and_spec_constants():
 
 
 def test_tied_embedding_starts_small():
-    """SPEC: the tied embedding starts N(0, 0.02²), not nn.Embedding's N(0, 1) (a defect of the
+    """The tied embedding starts N(0, 0.02²), not nn.Embedding's N(0, 1) (a defect of the
     original: with a tied head each token's own logit then dominates the next-token prediction)."""
     torch.manual_seed(0)
     model = FractusCTE(FractusConfig.preset("palier0"))
@@ -288,10 +288,10 @@ def test_config_roundtrip_and_number_types():
     assert c.attn_decay == (0.9, 1.0) and c.kuramoto_dt == 1.0 and c.lb_coef == 0.0
     assert type(c.kuramoto_dt) is float and type(c.n_layers) is int
     d = json.loads(json.dumps(c.to_dict()))
-    assert FractusConfig.from_dict(d) == c and d["attn_decay"] == [0.9, 1.0]
+    assert FractusConfig.from_saved(d) == c and d["attn_decay"] == [0.9, 1.0]
     for name in ("tiny", "palier0", "1b"):
         p = FractusConfig.preset(name)
-        assert FractusConfig.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+        assert FractusConfig.from_saved(json.loads(json.dumps(p.to_dict()))) == p
 
 
 def test_forward_and_generate_refuse_bad_shapes():

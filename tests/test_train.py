@@ -689,7 +689,7 @@ def test_pgsu_changes_only_the_active_blocks(data, tmp_path):
     train(cli(data, out, "--eval-every", "0", "--active-blocks", "1", "--set", "n_layers=3", tokens=32))
     ck = load_checkpoint(out / "ckpt.pt")
     torch.manual_seed(1337)
-    fresh = FractusCTE(FractusConfig.from_dict(ck["config"]))
+    fresh = FractusCTE(FractusConfig.from_saved(ck["config"]))
     init = fresh.state_dict()
     active = set_active_blocks(fresh, 1, 1337, 0)
     changed = {k for k, v in ck["model"].items() if not torch.equal(v, init[k])}

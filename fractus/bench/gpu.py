@@ -62,11 +62,12 @@ from fractus.verify import aot, offsets
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
 TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
-# The seeds' only measured GPU throughput (seeds/TRAINING_LOG_1B.md, "Live metrics (latest)"): the 1B
+# The original's only measured GPU throughput (TRAINING_LOG_1B.md of the Fractus CTE repository, "Live
+# metrics (latest)"): the 1B
 # model at B=2, sequence 128, bf16 autocast, SGD, each of 4 RTX 5090s training its own shard; tok/s per GPU.
 ORIGINAL_1B_GPU = {"gpu": "RTX 5090", "batch_size": 2, "chunk_len": 128, "tok_s": (1012, 1077, 1083, 1083)}
 # (preset, batch sizes, chunk_len) swept for end-to-end training on the GPU: the default architecture at
-# every size, and the original one at 1b's; 1b at B=2 is the seeds' own setting (ORIGINAL_1B_GPU)
+# every size, and the original one at 1b's; 1b at B=2 is the original's own setting (ORIGINAL_1B_GPU)
 TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
                ("palier2", (8, 64, 128), 128), ("palier3", (8, 32, 64), 128), ("1b", (2, 8, 32, 64, 128), 128),
                ("original-1b", (2, 32, 128), 128)]

@@ -64,7 +64,7 @@ def shakespeare(vocab_size: int) -> Path:
 @dataclass(frozen=True)
 class Recipe:
     """One training configuration. Defaults: our reading of the original's unoptimised baseline, on
-    the original architecture. The seed states chunk 16, accumulation 1, AdamW, B=1 (4 tok/s); the
+    the original architecture. TRAINING_OPTIMIZATION.md states chunk 16, accumulation 1, AdamW, B=1 (4 tok/s); the
     untied head supervised on every position, every expert computed, the trained clock, vocabulary
     50257 and the unfused cross-entropy are assumed."""
     preset: str = "original-palier0"

@@ -28,7 +28,7 @@ from fractus.kernels import linear_attention as la_kernels
 from fractus.kernels.linear_attention import linear_attention
 from fractus.model import level_omegas
 
-CPU_THREADS = 1  # CPU timings: the bench machine's 2 cores are shared, OpenMP contention is erratic
+CPU_THREADS = 1  # CPU timings on one thread: OpenMP threads on busy cores make timings erratic
 
 
 GPU_TS = (512, 2048, 8192)  # sequence lengths the GPU suite times, in bf16 at GPU_SHAPE
@@ -131,8 +131,8 @@ def peak_case(impl, B, T, H, D, levels):
 # ----------------------------------------------------------------------------- CPU
 def cpu_rows(smoke: bool = False) -> list[dict]:
     """(a) chunked vs reference; (b) chunked vs materialising + the T-scaling check (fp32); peak
-    RSS of each in a fresh process. Timings run on CPU_THREADS threads (the bench machine's cores
-    are shared; OpenMP with oversubscribed cores is erratic)."""
+    RSS of each in a fresh process. Timings run on CPU_THREADS threads (OpenMP threads on busy cores
+    make timings erratic)."""
     b = dict(B=1, T=256, H=2, D=16) if smoke else dict(B=1, T=1024, H=16, D=64)
     peaks = {impl: common.cpu_peak_bytes("fractus.bench.linear_attention:peak_case", impl=impl, **b, levels=1)
              for impl in ("torch", "materialising")}

@@ -131,15 +131,15 @@ RECALL_MODELS = (
 )
 
 
-def train_recall(spec: RecallModel, seq_len: int, pairs: int, lr: float, seed: int, d_model: int = 64,
+def train_recall(recall_model: RecallModel, seq_len: int, pairs: int, lr: float, seed: int, d_model: int = 64,
                  n_layers: int = 2, vocab: int = 256, steps: int = 1500, batch: int = 64,
                  n_test: int = 1000) -> dict:
-    """Train ``spec`` on fresh MQAR batches (``steps`` AdamW steps of ``batch`` sequences, warm-up
+    """Train ``recall_model`` on fresh MQAR batches (``steps`` AdamW steps of ``batch`` sequences, warm-up
     then cosine) and score it on ``n_test`` held-out sequences: the fraction of queried values
     predicted exactly (argmax). Returns a row with the model's name, the task, the rate, the seed,
     the accuracy, the final training loss and the training seconds."""
     torch.manual_seed(seed)
-    model = spec.build(d_model, n_layers, vocab, seq_len)
+    model = recall_model.build(d_model, n_layers, vocab, seq_len)
     opt = make_optimizer(model, "adamw", lr, 0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, steps // 10), steps, 0.1))
     t0, loss = time.perf_counter(), float("nan")
@@ -153,7 +153,7 @@ def train_recall(spec: RecallModel, seq_len: int, pairs: int, lr: float, seed: i
         sched.step()
         loss = float(parts["ce"].detach())
     train_s = time.perf_counter() - t0
-    return {"model": spec.name, "d_model": d_model, "n_layers": n_layers, "seq_len": seq_len, "pairs": pairs,
+    return {"model": recall_model.name, "d_model": d_model, "n_layers": n_layers, "seq_len": seq_len, "pairs": pairs,
             "vocab": vocab, "lr": lr, "seed": seed, "steps": steps, "accuracy": recall_accuracy(model, seq_len, pairs,
                                                                                             vocab, n_test),
             "train_ce": loss, "params": model.num_params(), "train_s": train_s}

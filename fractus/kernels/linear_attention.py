@@ -1,7 +1,7 @@
 """Multi-level causal linear attention with carried state.
 
 Shapes: q, k, v [B, T, H, D] (pre feature map, any float dtype); level_weights [Lv] (already
-softmaxed); omegas Lv python floats; decay None or [H] in (0, 1]; state None or
+softmaxed); omegas Lv python floats; decay None, [H] or [Lv, H] in (0, 1]; state None or
 (S [B, Lv, H, D, D] fp32, z [B, Lv, H, D] fp32). Per level l the feature map is
 f_l(u) = elu(u + ω_l) + 1 and, per (b, l, h), inclusive of position t:
 

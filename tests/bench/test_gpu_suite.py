@@ -288,7 +288,7 @@ def test_nvidia_driver_version_from_nvidia_smi(tmp_path, monkeypatch):
 
 
 def test_gpu_wheels_carry_the_bench_baselines_and_the_pinned_runtime_dependencies():
-    """The GPU machine has no network: every pinned pure-Python dependency and every baseline
+    """For a GPU machine without network: every pinned pure-Python dependency and every baseline
     must be among the wheels `make gpu-wheels` downloads."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pinned = {d for d in project["dependencies"] if re.fullmatch(r"[\w.-]+==[\w.]+", d)}
