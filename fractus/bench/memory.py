@@ -16,16 +16,21 @@ Shapes: B sequences, T positions, V vocabulary.
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from fractus.baseline import Transformer, TransformerConfig
 from fractus.data import TokenStreams
 from fractus.model import FractusConfig, FractusCTE
+from fractus.records import append_csv
 from fractus.train import lr_lambda, make_optimizer
 
 BUCKETS = (0, 16, 64, 256, 1024, 4096)  # lower edges of the position buckets (the last runs to the end)
@@ -174,3 +179,35 @@ def recall_accuracy(model, seq_len: int, pairs: int, vocab: int, n: int, seed: i
         total += int(scored.sum())
     model.train(was)
     return right / total
+
+
+def _recall_job(args: tuple) -> dict:
+    name, seq_len, pairs, lr, seed, kw = args
+    torch.set_num_threads(1)
+    return train_recall(RECALL_BY_NAME[name], seq_len, pairs, lr, seed, **kw)
+
+
+RECALL_BY_NAME = {m.name: m for m in RECALL_MODELS}
+RECALL_KEY = ("model", "seq_len", "pairs", "lr", "seed", "d_model", "steps")
+
+
+def run_recall(jobs: list[tuple], csv, workers: int = 2, log=print, **kw) -> pd.DataFrame:
+    """Each (model name, seq_len, pairs, lr, seed) of ``jobs`` not yet in ``csv`` (same d_model and
+    steps), ``workers`` processes of one thread at a time; each row appended to ``csv`` with its
+    provenance as it finishes (an interrupted grid resumes). Returns ``csv``'s rows."""
+    kw = {"d_model": 64, "steps": 1500, **kw}
+    done = set()
+    if Path(csv).exists():
+        d = pd.read_csv(csv)
+        done = {tuple(r) for r in d[list(RECALL_KEY)].astype(str).itertuples(index=False)}
+    todo = [j for j in jobs if tuple(map(str, (*j, kw["d_model"], kw["steps"]))) not in done]
+    if len(todo) < len(jobs):
+        log(f"{len(jobs) - len(todo)} of {len(jobs)} recall runs kept from {csv}")
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_recall_job, (*j, kw)) for j in todo]
+        for fut in as_completed(futures):
+            r = fut.result()
+            append_csv(csv, r)
+            log(f"{r['model']:32s} T {r['seq_len']:4d} pairs {r['pairs']:3d} lr {r['lr']:g} seed {r['seed']}: "
+                f"accuracy {r['accuracy']:.3f} ({r['train_s']:.0f} s)")
+    return pd.read_csv(csv)

@@ -55,3 +55,13 @@ def test_position_and_reset_curves():
     tf = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=1, context=25))
     rows = M.ce_by_position(tf, tokens, 4, 25, buckets=(0, 16, 64))
     assert [r["bucket_lo"] for r in rows] == [0, 16] and rows[-1]["bucket_hi"] == 25  # within its context
+
+
+def test_the_recall_grid_keeps_finished_runs(tmp_path):
+    csv, log = tmp_path / "recall.csv", []
+    kw = dict(d_model=32, steps=5, vocab=32, batch=8, n_test=50)
+    jobs = [("transformer", 12, 2, 3e-3, 0), ("default", 12, 2, 3e-3, 0)]
+    rows = M.run_recall(jobs, csv, workers=1, log=log.append, **kw)
+    assert sorted(rows["model"]) == ["default", "transformer"] and rows["git_sha"].notna().all()
+    again = M.run_recall(jobs, csv, workers=1, log=log.append, **kw)
+    assert len(again) == 2 and log[-1] == f"2 of 2 recall runs kept from {csv}"
