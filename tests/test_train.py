@@ -658,7 +658,8 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
 
 
 CHANGED = {"model": ["--model", "transformer"], "preset": ["--preset", "palier0"], "data": None, "batch_size": ["--batch-size", "3"],
-           "chunk_len": ["--chunk-len", "8"], "accum": ["--accum", "2"], "optimizer": ["--optimizer", "sgd"],
+           "chunk_len": ["--chunk-len", "8"], "sampling": ["--sampling", "windows"], "accum": ["--accum", "2"],
+           "optimizer": ["--optimizer", "sgd"],
            "seed": ["--seed", "3"], "lr": ["--lr", "1e-4"],
            "weight_decay": ["--weight-decay", "0.5"], "warmup": ["--warmup", "7"],
            "min_lr_ratio": ["--min-lr-ratio", "0.5"], "grad_clip": ["--grad-clip", "0.5"],
