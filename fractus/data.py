@@ -279,12 +279,16 @@ class TokenStreams:
 
 
 @dataclass
-class RandomWindows:
-    """``batch_size`` windows of ``chunk_len`` tokens at offsets drawn uniformly from one token
-    array, fresh at every call: the reading of a model that carries no state.
+class ShuffledWindows:
+    """Non-overlapping windows of ``chunk_len`` tokens in a random order, ``batch_size`` per call
+    per process: the reading of a model that carries no state.
 
-    Draw i of rank r comes from a generator seeded with (``seed``, r, i), so ``position`` (the draws
-    made) is all a checkpoint needs, as :class:`TokenStreams`'s."""
+    Each epoch cuts the token array into windows from a random offset below ``chunk_len`` and
+    visits all of them once, in a random order; epoch e's offset and order come from a generator
+    seeded with (``seed``, e). Across ``world`` processes the draws of one call take consecutive
+    windows of that order, rank r the r-th ``batch_size`` of them, so ``position`` (the calls made)
+    is all a checkpoint needs, as :class:`TokenStreams`'s. Every token is read once an epoch, and a
+    batch mixes windows from the whole corpus."""
     tokens: np.ndarray
     batch_size: int
     chunk_len: int
@@ -296,15 +300,27 @@ class RandomWindows:
     def __post_init__(self):
         if self.batch_size < 1 or self.chunk_len < 1:
             raise ValueError(f"batch_size and chunk_len must be ≥ 1, got {self.batch_size} and {self.chunk_len}")
-        if len(self.tokens) < self.chunk_len + 1:
-            raise ValueError(f"corpus too short: {len(self.tokens)} tokens cannot give a window of "
-                             f"{self.chunk_len} tokens (need ≥ {self.chunk_len + 1})")
+        # windows per epoch, whatever the offset: window j covers tokens [o + j·C, o + (j + 1)·C] (+1 target)
+        self.windows_per_epoch = (len(self.tokens) - self.chunk_len) // self.chunk_len
+        if self.windows_per_epoch < 1:
+            raise ValueError(f"corpus too short: {len(self.tokens)} tokens cannot give two windows of "
+                             f"{self.chunk_len} tokens (need ≥ {2 * self.chunk_len})")
+        self._epoch = None
+
+    def _order(self, epoch: int) -> tuple[int, np.ndarray]:
+        if self._epoch is None or self._epoch[0] != epoch:
+            rng = np.random.default_rng((self.seed, epoch))
+            self._epoch = (epoch, int(rng.integers(0, self.chunk_len)), rng.permutation(self.windows_per_epoch))
+        return self._epoch[1], self._epoch[2]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(x [B, C], y [B, C] int64, True): the next windows; True: each starts from a fresh state."""
-        rng = np.random.default_rng((self.seed, self.rank, self.position))
-        off = rng.integers(0, len(self.tokens) - self.chunk_len, size=self.batch_size)
-        rows = np.stack([np.asarray(self.tokens[o:o + self.chunk_len + 1], dtype=np.int64) for o in off])
+        first = (self.position * self.world + self.rank) * self.batch_size
+        starts = []
+        for g in range(first, first + self.batch_size):
+            offset, order = self._order(g // self.windows_per_epoch)
+            starts.append(offset + int(order[g % self.windows_per_epoch]) * self.chunk_len)
+        rows = np.stack([np.asarray(self.tokens[o:o + self.chunk_len + 1], dtype=np.int64) for o in starts])
         self.position += 1
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:], True

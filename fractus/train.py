@@ -39,7 +39,7 @@ from fractus.allocator import keep_freed_memory
 from fractus.baseline import Transformer, TransformerConfig
 from fractus.checkpoint import load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
 from fractus.cli import device_name, natural, non_negative, number, positive_int, run_command, seed_number
-from fractus.data import RandomWindows, TokenStreams, load_meta, load_tokens
+from fractus.data import ShuffledWindows, TokenStreams, load_meta, load_tokens
 from fractus.ddp import agree, gather_states, leave, setup_distributed
 from fractus.grow import grow
 from fractus.kernels.backend import BACKENDS, check_available
@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--chunk-len", type=positive_int, default=32, help="positions per chunk (C)")
     a("--sampling", choices=SAMPLING, default=None,
       help="streams: B contiguous streams read chunk after chunk, the state carried (the CTE's default); "
-           "windows: B windows of C tokens at random offsets each micro-step, each from a fresh state "
-           "(the transformer's default)")
+           "windows: B non-overlapping windows of C tokens each micro-step, each from a fresh state, every "
+           "window once an epoch in a random order (the transformer's default)")
     a("--accum", type=positive_int, default=8, help="micro-steps per optimizer step")
     a("--head-positions", default="all", choices=("all", "last"))
     a("--detach-kuramoto", action="store_true")
@@ -225,7 +225,7 @@ class Run:
     world: int  # processes
     device: torch.device
     meta: dict  # the data directory's meta.json
-    streams: TokenStreams | RandomWindows  # this process's training data; its position is the run's data position
+    streams: TokenStreams | ShuffledWindows  # this process's training data; its position is the run's data position
     val_tokens: torch.Tensor
     cfg: FractusConfig | TransformerConfig
     settings: dict  # run_settings: what a resume must match
@@ -286,7 +286,7 @@ def set_up(args: argparse.Namespace) -> Run:
     if settings["sampling"] == "streams":
         streams = TokenStreams(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world)
     else:
-        streams = RandomWindows(train_tok, args.batch_size, args.chunk_len, args.seed, rank=rank, world=world)
+        streams = ShuffledWindows(train_tok, args.batch_size, args.chunk_len, args.seed, rank=rank, world=world)
     try:  # a too-short split fails now, not at evaluation
         TokenStreams(val_tok, world * args.batch_size, args.chunk_len)
     except ValueError as e:

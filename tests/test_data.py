@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from fractus.data import (VAL_PLAYS, TokenStreams, load_meta, load_tokens, main, prepare,
                           shakespeare_plays, split_documents, strip_markdown)
@@ -210,3 +211,26 @@ def test_a_full_disk_names_the_file_and_its_cause(tmp_path, capsys, monkeypatch)
     train_bin = tmp_path / "out" / "train.bin"
     assert capsys.readouterr().err == f"error: cannot write {train_bin}: No space left on device\n"
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_shuffled_windows_read_every_window_once_an_epoch_in_a_random_order():
+    """Each epoch visits every non-overlapping window once from one offset, the order and offset
+    differ between epochs and seeds, a batch spans the corpus, ranks split each draw, and the
+    position alone resumes the sequence."""
+    import numpy as np
+    from fractus.data import ShuffledWindows
+    tokens = np.arange(1003)
+    w = ShuffledWindows(tokens, 4, 10, seed=3)
+    n = w.windows_per_epoch
+    assert n == 99
+    starts = [int(x[0]) for _ in range(-(-n // 4)) for x in w.next()[0]]
+    epoch0 = starts[:n]
+    offset = epoch0[0] % 10
+    assert sorted(epoch0) == [offset + 10 * j for j in range(n)] and epoch0 != sorted(epoch0)
+    x, y, fresh = ShuffledWindows(tokens, 4, 10, seed=3, position=5).next()
+    assert fresh and torch.equal(y, x + 1) and [int(r[0]) for r in x] == starts[20:24]
+    assert [int(r[0]) for r in ShuffledWindows(tokens, 4, 10, seed=4).next()[0]] != starts[:4]
+    ranks = [ShuffledWindows(tokens, 2, 10, seed=3, rank=r, world=2).next()[0] for r in (0, 1)]
+    assert [int(r[0]) for x in ranks for r in x] == starts[:4]
+    with pytest.raises(ValueError, match="corpus too short"):
+        ShuffledWindows(np.arange(15), 1, 10, seed=0)

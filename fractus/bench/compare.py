@@ -41,10 +41,10 @@ LEVERS = {
     "default + window 64": Variant("default + window 64", "lever", preset="palier0", changes=(("attn_window", 64),)),
     "default, 8 streams of 256": Variant("default, 8 streams of 256", "lever", preset="palier0", chunk_len=256,
                                          batch_size=8),
-    "default, random windows of 256": Variant("default, random windows of 256", "lever", preset="palier0",
+    "default, shuffled windows of 256": Variant("default, shuffled windows of 256", "lever", preset="palier0",
                                               chunk_len=256, batch_size=8, sampling="windows"),
-    "default + window 64, random windows of 256": Variant(
-        "default + window 64, random windows of 256", "lever", preset="palier0", changes=(("attn_window", 64),),
+    "default + window 64, shuffled windows of 256": Variant(
+        "default + window 64, shuffled windows of 256", "lever", preset="palier0", changes=(("attn_window", 64),),
         chunk_len=256, batch_size=8, sampling="windows"),
 }
 
