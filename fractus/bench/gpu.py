@@ -9,8 +9,8 @@
    (chunk 128, accum 1, SGD: the model's own cost, without AdamW's passes over the weights);
 4. each kernel timed against its baselines (fla / Liger side by side when installed, and
    torch.compile: these compile and autotune, so they come after the training target), then
-   tick-by-tick generation tokens/s, the lever stack and the profiler breakdown (notebooks 01, 02);
-   last, every kernel once at offsets past 2³¹ elements (:mod:`fractus.verify.offsets`);
+   tick-by-tick generation tokens/s, the optimization stack and the profiler breakdown (notebooks
+   01, 02); last, every kernel once at offsets past 2³¹ elements (:mod:`fractus.verify.offsets`);
 5. CSVs under ``results/gpu/`` (read by the notebooks), ``targets.csv`` (each target of the
    issues: met, missed or not measured) and a summary printed last (a pass/fail table per kernel
    and dtype, the training sweep, generation, the targets).
@@ -42,7 +42,7 @@ import pandas as pd
 import torch
 
 from fractus.atomic import atomic_open
-from fractus.bench import common, levers, profile
+from fractus.bench import common, optimizations, profile
 from fractus.bench.cases import GEN_PROMPT, kuramoto_case
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
 from fractus.bench.costmodel import (
@@ -74,13 +74,13 @@ TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
 DRY_SWEEP = [("tiny", (1, 2), 16)]
 
 
-def train_recipe(preset: str, chunk_len: int, batch_size: int = 8) -> levers.Recipe:
+def train_setup(preset: str, chunk_len: int, batch_size: int = 8) -> optimizations.Setup:
     """The training sweep's configuration (the preset's own model, every position supervised,
-    SGD, no accumulation) as a :class:`levers.Recipe`: :func:`train_rows` measures it, the
+    SGD, no accumulation) as a :class:`optimizations.Setup`: :func:`train_rows` measures it, the
     precompile compiles it and notebook 04's cost model counts its launches."""
-    return levers.Recipe(preset=preset, vocab_size=FractusConfig.preset(preset).vocab_size, tie_head=True,
-                         sparse_moe=True, fused_ce=True, chunk_len=chunk_len, optimizer="sgd",
-                         batch_size=batch_size)
+    return optimizations.Setup(preset=preset, vocab_size=FractusConfig.preset(preset).vocab_size,
+                               tie_head=True, sparse_moe=True, fused_ce=True, chunk_len=chunk_len,
+                               optimizer="sgd", batch_size=batch_size)
 
 
 def ceilings(device: torch.device, dry_run: bool) -> dict:
@@ -103,17 +103,17 @@ def model_runs() -> list[tuple[str, dict]]:
     :func:`precompile_rows`. The training sweep: palier0, palier2 and a one-layer 1b stand for
     every preset (their kernels take the same specialisations), B=8 and B=16 for every batch
     (Triton specialises integers on divisibility by 16), two steps (the second with the carried
-    state); the levers' recipes and the profile's on the Triton kernels; generation."""
+    state); the optimizations' setups and the profile's on the Triton kernels; generation."""
     stand_ins = (("palier0", ()), ("palier2", ()), ("1b", (("n_layers", 1),)))
-    recipes = [(replace(train_recipe(p, chunk, b), dims=dims), True) for p, dims in stand_ins
-               for b in (8, 16) for chunk in {c for _, _, c in TRAIN_SWEEP}]
-    recipes += [(r, bf16) for _, _, r, bf16, backend in levers.gpu_plan(cuda=True) if backend != "torch"]
-    recipes += [(r, True) for _, r in profile.gpu_recipes(cuda=True)]
+    setups = [(replace(train_setup(p, chunk, b), dims=dims), True) for p, dims in stand_ins
+              for b in (8, 16) for chunk in {c for _, _, c in TRAIN_SWEEP}]
+    setups += [(r, bf16) for _, _, r, bf16, backend in optimizations.gpu_plan(cuda=True) if backend != "torch"]
+    setups += [(r, True) for _, r in profile.gpu_setups(cuda=True)]
     runs = [(r.preset, dict(batch_size=r.batch_size, chunk_len=r.chunk_len, head_positions=r.head_positions,
                             active_blocks=r.active_blocks, bf16=bf16, steps=2, **r.model_overrides()))
-            for r, bf16 in recipes]
+            for r, bf16 in setups]
     generate = [(p, dict(steps=0, **dict(dims))) for p, dims in stand_ins]
-    return list({repr(run): run for run in runs + generate}.values())  # recipes alike once
+    return list({repr(run): run for run in runs + generate}.values())  # setups alike once
 
 
 def precompile_rows(dry_run: bool) -> list[dict]:
@@ -131,10 +131,10 @@ def precompile_rows(dry_run: bool) -> list[dict]:
 def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> Iterator[dict]:
     """A row per configuration of the sweep as it is measured; a failing one is an error row."""
     for preset, batches, chunk in (DRY_SWEEP if dry_run else TRAIN_SWEEP):
-        rec = train_recipe(preset, chunk)
+        rec = train_setup(preset, chunk)
         flops = sum(flops_per_token(rec.config(), training=True, head_positions=rec.head_positions).values())
         for b in batches:
-            kw = dict(train_recipe(preset, chunk, b).trainer_kwargs(), steps=3, warmup=2, device=str(device),
+            kw = dict(train_setup(preset, chunk, b).trainer_kwargs(), steps=3, warmup=2, device=str(device),
                       bf16=True)
             if dry_run:
                 kw.update(backend="triton", steps=1, warmup=0)
@@ -299,7 +299,7 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
         fns[f"timing_{k}"] = lambda k=k: bench(k).gpu_rows(smoke=dry_run)
     fns["timing_kuramoto"] = lambda: kuramoto_rows(device, dry_run, timing=True)
     fns["generation"] = lambda: generation_rows(device, dry_run)
-    fns["levers"] = lambda: levers.gpu_rows(smoke=dry_run)
+    fns["optimizations"] = lambda: optimizations.gpu_rows(smoke=dry_run)
     fns["profile"] = lambda: profile.gpu_rows(smoke=dry_run)
     # last: tens of GB per case, and the suite's other checks do not wait for it
     fns["correctness_offsets"] = lambda: poisoned(lambda: offsets.correctness_rows(device, smoke=dry_run))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from fractus.bench.levers import Recipe, short_train, shakespeare
+from fractus.bench.optimizations import Setup, short_train, shakespeare
 from fractus.checkpoint import weights_fingerprint
 from fractus.data import load_meta, load_tokens
 from fractus.merge import distance_to_mean, merge
@@ -125,7 +125,7 @@ def reference_metrics(tokens, n_windows: int = 20, length: int = 40) -> list[dic
     return [repetition_metrics([int(t) for t in tokens[i * step:i * step + length]]) for i in range(n_windows)]
 
 
-def merge_probe(recipe: Recipe, tokens_per_half: int, eval_tokens: int, seed: int = 0) -> dict:
+def merge_probe(setup: Setup, tokens_per_half: int, eval_tokens: int, seed: int = 0) -> dict:
     """Two runs from one seeded initialisation, each on its own half of the training split
     (``tokens_per_half`` tokens each), and their mean-merge through :func:`fractus.merge.merge`.
 
@@ -134,16 +134,16 @@ def merge_probe(recipe: Recipe, tokens_per_half: int, eval_tokens: int, seed: in
     difference between fractus.merge's result and :func:`mean_merge` of the two;
     "unigram_entropy": the validation split's, nats/token}.
     """
-    data = shakespeare(recipe.vocab_size)
+    data = shakespeare(setup.vocab_size)
     meta = load_meta(data)
-    cfg = recipe.config()
+    cfg = setup.config()
     torch.manual_seed(seed)
     init = FractusCTE(cfg)
     runs = {}
     for name, sl in (("half A", (0.0, 0.5)), ("half B", (0.5, 1.0))):
         m = FractusCTE(cfg)
         m.load_state_dict(init.state_dict())
-        short_train(recipe, tokens_per_half, eval_tokens, seed=seed, train_slice=sl, model=m)
+        short_train(setup, tokens_per_half, eval_tokens, seed=seed, train_slice=sl, model=m)
         runs[name] = m
     merged = merge_checkpoints(list(runs.values()), weights_fingerprint(init.state_dict()))
     msd = merged.state_dict()

@@ -24,7 +24,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fractus.bench.common import sync
-from fractus.bench.levers import Recipe
+from fractus.bench.optimizations import Setup
 from fractus.model import FractusCTE
 from fractus.train import autocast, make_optimizer
 
@@ -47,14 +47,14 @@ _MARK = "fractus_phase:"
 class _Iteration:
     """A model, its optimizer and a fixed random batch; ``run()`` does one iteration."""
 
-    def __init__(self, recipe: Recipe, device: str = "cpu", bf16: bool = False, seed: int = 0):
+    def __init__(self, setup: Setup, device: str = "cpu", bf16: bool = False, seed: int = 0):
         self.device = torch.device(device)
-        self.recipe, self.bf16 = recipe, bf16
+        self.setup, self.bf16 = setup, bf16
         torch.manual_seed(seed)
-        self.model = FractusCTE(recipe.config()).to(self.device)
-        self.opt = make_optimizer(self.model, recipe.optimizer, recipe.lr(), 0.01)
+        self.model = FractusCTE(setup.config()).to(self.device)
+        self.opt = make_optimizer(self.model, setup.optimizer, setup.lr(), 0.01)
         g = torch.Generator().manual_seed(seed)
-        x = torch.randint(0, self.model.cfg.vocab_size, (recipe.batch_size, recipe.chunk_len + 1), generator=g)
+        x = torch.randint(0, self.model.cfg.vocab_size, (setup.batch_size, setup.chunk_len + 1), generator=g)
         self.x, self.y = x[:, :-1].to(self.device), x[:, 1:].to(self.device)
         self.state = None
 
@@ -65,7 +65,7 @@ class _Iteration:
         sync(self.device)
         t0 = time.perf_counter()
         with ctx("forward"), autocast(self.device, self.bf16):
-            _, parts, state = self.model(self.x, self.state, self.y, self.recipe.head_positions)
+            _, parts, state = self.model(self.x, self.state, self.y, self.setup.head_positions)
         sync(self.device)
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
@@ -83,10 +83,10 @@ class _Iteration:
         return tuple(times)
 
 
-def phase_times(recipe: Recipe, iters: int = 5, warmup: int = 2, device: str = "cpu",
+def phase_times(setup: Setup, iters: int = 5, warmup: int = 2, device: str = "cpu",
                 bf16: bool = False) -> dict[str, float]:
     """Median milliseconds of forward, backward and optimizer per iteration (and their total)."""
-    it = _Iteration(recipe, device, bf16)
+    it = _Iteration(setup, device, bf16)
     for _ in range(warmup):
         it.run()
     runs = [it.run() for _ in range(iters)]
@@ -144,12 +144,12 @@ def attribute(events, device_time: bool = False) -> dict[str, float]:
     return {**out, **ranges}
 
 
-def forward_components(recipe: Recipe, iters: int = 3, warmup: int = 2, device: str = "cpu",
+def forward_components(setup: Setup, iters: int = 3, warmup: int = 2, device: str = "cpu",
                        bf16: bool = False) -> dict[str, float]:
     """Mean milliseconds per iteration of each forward component (:data:`COMPONENTS`) under
     ``torch.profiler``, plus the profiled "forward", "backward", "optimizer" and "ops" (ATen op
     calls per iteration, a proxy for kernel launches)."""
-    it = _Iteration(recipe, device, bf16)
+    it = _Iteration(setup, device, bf16)
     for _ in range(warmup):
         it.run()
     cuda = torch.device(device).type == "cuda"
@@ -223,17 +223,17 @@ def launched_ops(events) -> int:
     return sum(1 for e in events if counted(e) and not under_counted(e))
 
 
-def _tiny(recipe: Recipe, **dims) -> Recipe:
-    """``recipe``'s structure at tiny widths (d=32, vocabulary 512)."""
+def _tiny(setup: Setup, **dims) -> Setup:
+    """``setup``'s structure at tiny widths (d=32, vocabulary 512)."""
     from dataclasses import replace
-    keep = dict(recipe.dims)
+    keep = dict(setup.dims)
     keep.update(d_model=32, n_heads=2, expert_d_ff=32,
-                expert_rank=8 if recipe.config().expert_rank else 0, **dims)
-    return replace(recipe, vocab_size=512, dims=tuple(keep.items()))
+                expert_rank=8 if setup.config().expert_rank else 0, **dims)
+    return replace(setup, vocab_size=512, dims=tuple(keep.items()))
 
 
-def _count_ops(recipe: Recipe, warmup: int = 1) -> float:
-    it = _Iteration(recipe)
+def _count_ops(setup: Setup, warmup: int = 1) -> float:
+    it = _Iteration(setup)
     for _ in range(warmup):
         it.run()
     return _profiled_ops(it)
@@ -255,8 +255,8 @@ def _profiled_ops(it: _Iteration) -> float:
     return float(launched_ops([e for e in events if in_step(e)]))
 
 
-def op_count(recipe: Recipe, timed: bool = False, iters: int = 3) -> dict[str, float]:
-    """Kernel-launching ATen ops of one micro-step (forward + backward) of ``recipe``, counted
+def op_count(setup: Setup, timed: bool = False, iters: int = 3) -> dict[str, float]:
+    """Kernel-launching ATen ops of one micro-step (forward + backward) of ``setup``, counted
     on CPU at tiny widths (d=32, vocabulary 512): the count depends on the structure (layers,
     experts, Kuramoto steps, chunks), not on the widths. Deep or many-expert structures are
     counted at (1 layer, 4 experts), (2, 4) and (1, 8) and extrapolated (ops are affine in the
@@ -266,26 +266,26 @@ def op_count(recipe: Recipe, timed: bool = False, iters: int = 3) -> dict[str, f
     ``timed`` also returns "step_s", the median wall time of the tiny micro-step, and
     "op_s" = step_s / ops: the per-op cost of eager PyTorch on this machine.
     """
-    cfg = recipe.config()
+    cfg = setup.config()
     L, E = cfg.n_layers, cfg.n_experts
     if L * E <= 64:
-        ops = _count_ops(_tiny(recipe))
+        ops = _count_ops(_tiny(setup))
     else:
-        c11, c21, c12 = (_count_ops(_tiny(recipe, n_layers=l, n_experts=e)) for l, e in ((1, 4), (2, 4), (1, 8)))
+        c11, c21, c12 = (_count_ops(_tiny(setup, n_layers=l, n_experts=e)) for l, e in ((1, 4), (2, 4), (1, 8)))
         per_expert = (c12 - c11) / 4
         per_layer = c21 - c11 - 4 * per_expert
         ops = c11 - per_layer - 4 * per_expert + L * (per_layer + E * per_expert)
     out = {"ops": ops}
     if timed:
-        it = _Iteration(_tiny(recipe))
+        it = _Iteration(_tiny(setup))
         for _ in range(2):
             it.run()
         out["step_s"] = statistics.median(sum(it.run()[:2]) for _ in range(iters))
-        out["op_s"] = out["step_s"] / _count_ops(_tiny(recipe)) if L * E <= 64 else out["step_s"] / ops
+        out["op_s"] = out["step_s"] / _count_ops(_tiny(setup)) if L * E <= 64 else out["step_s"] / ops
     return out
 
 
-def gpu_launch_count(recipe: Recipe) -> int:
+def gpu_launch_count(setup: Setup) -> int:
     """Kernel launches of one bf16 micro-step (forward + backward) on the GPU's path: the ATen
     ops that launch a kernel plus the Triton kernels' launches, counted on CPU at tiny widths
     with the Triton path forced and its launches captured instead of run
@@ -294,7 +294,7 @@ def gpu_launch_count(recipe: Recipe) -> int:
     from dataclasses import replace
 
     from fractus.verify import aot
-    tiny = _tiny(recipe)
+    tiny = _tiny(setup)
     tiny = replace(tiny, dims=tuple({**dict(tiny.dims), "backend": "triton"}.items()))
     launches = []
     with aot.capture_model("model", launches):
@@ -328,12 +328,12 @@ def clock_ops(cfg, rows: int = 256) -> dict[str, int]:
     return {backend: count(backend) for backend in ("reference", "torch", "triton")}
 
 
-def breakdown_rows(name: str, recipe: Recipe, iters: int = 5, prof_iters: int = 3,
+def breakdown_rows(name: str, setup: Setup, iters: int = 5, prof_iters: int = 3,
                    device: str = "cpu", bf16: bool = False) -> list[dict]:
     """Rows {config, table, component, ms, pct} of both tables for one configuration: phases
     (unprofiled, % of the iteration) and forward components (profiled, % of the forward)."""
-    ph = phase_times(recipe, iters=iters, device=device, bf16=bf16)
-    fc = forward_components(recipe, iters=prof_iters, device=device, bf16=bf16)
+    ph = phase_times(setup, iters=iters, device=device, bf16=bf16)
+    fc = forward_components(setup, iters=prof_iters, device=device, bf16=bf16)
     rows = [{"config": name, "table": "phase", "component": p, "ms": ph[p], "pct": 100 * ph[p] / ph["total"]}
             for p in PHASES]
     rows.append({"config": name, "table": "phase", "component": "total", "ms": ph["total"], "pct": 100.0})
@@ -350,20 +350,20 @@ def breakdown_rows(name: str, recipe: Recipe, iters: int = 5, prof_iters: int = 
     return rows
 
 
-def gpu_recipes(cuda: bool) -> list[tuple[str, Recipe]]:
+def gpu_setups(cuda: bool) -> list[tuple[str, Setup]]:
     """The configurations :func:`gpu_rows` profiles: palier0 and palier2 at B=8, C=32, tied
     8192-word head, sparse MoE, fused cross-entropy (smoke dims off CUDA)."""
-    from fractus.bench.levers import SMOKE_DIMS
+    from fractus.bench.optimizations import SMOKE_DIMS
     dims = () if cuda else tuple(SMOKE_DIMS.items())
-    return [(preset, Recipe(preset=preset, vocab_size=8192, tie_head=True, sparse_moe=True, chunk_len=32,
-                            batch_size=8, fused_ce=True, dims=dims)) for preset in ("palier0", "palier2")]
+    return [(preset, Setup(preset=preset, vocab_size=8192, tie_head=True, sparse_moe=True, chunk_len=32,
+                           batch_size=8, fused_ce=True, dims=dims)) for preset in ("palier0", "palier2")]
 
 
 def gpu_rows(smoke: bool = False) -> Iterator[dict]:
-    """Both tables for :func:`gpu_recipes` (AdamW, bf16) on CUDA, for the GPU suite →
+    """Both tables for :func:`gpu_setups` (AdamW, bf16) on CUDA, for the GPU suite →
     results/gpu/profile.csv, a preset at a time. With ``smoke`` (or without CUDA): CPU, smoke
     dims, fp32."""
     cuda = torch.cuda.is_available() and not smoke
-    for preset, r in gpu_recipes(cuda):
+    for preset, r in gpu_setups(cuda):
         yield from breakdown_rows(preset, r, iters=5 if cuda else 1, prof_iters=3 if cuda else 1,
                                   device="cuda" if cuda else "cpu", bf16=cuda)

@@ -78,7 +78,8 @@ CPU_TARGETS = [  # (preset, vocab, target tok/s) from the foundation issue; B=8,
     ("palier2", 50257, 300.0),
     ("palier0", 8192, 8000.0),
 ]
-ORIGINAL_LEVERS = dict(head_positions="last", detach_kuramoto=True)  # two levers of the seed's optimized recipe
+# two of the training optimizations of the seed's optimized configuration
+ORIGINAL_OPTIMIZATIONS = dict(head_positions="last", detach_kuramoto=True)
 
 
 def cpu_rows(smoke: bool = False, runs: int = 3) -> list[dict]:
@@ -95,29 +96,29 @@ def cpu_rows(smoke: bool = False, runs: int = 3) -> list[dict]:
     from fractus.bench.costmodel import cpu_ceilings
     cases = ([(p, v, t, {}) for p, v, t in CPU_TARGETS]
              + [(f"original-{p}", v, None, {}) for p, v, _ in CPU_TARGETS]
-             + [("original-palier0", v, None, ORIGINAL_LEVERS) for v in (50257, 8192)])
+             + [("original-palier0", v, None, ORIGINAL_OPTIMIZATIONS) for v in (50257, 8192)])
     runs = 1 if smoke else runs
     n = 512 if smoke else 1024
     start = cpu_ceilings(n=n)["matmul_flops"] / 1e9
     measured = [[] for _ in cases]
     for _ in range(runs):
-        for (preset, vocab, _, levers), out in zip(cases, measured):
+        for (preset, vocab, _, opts), out in zip(cases, measured):
             kw = dict(vocab_size=vocab)
             if smoke:
                 kw.update(d_model=64, n_heads=1, n_layers=1, expert_d_ff=64, vocab_size=min(vocab, 1024))
-            lv = dict(levers)
+            lv = dict(opts)
             hp = lv.pop("head_positions", "all")
             out.append(in_fresh_process("fractus.bench.throughput:measure_training", preset=preset,
                                         steps=1 if smoke else 7, accum=2 if smoke else 8, head_positions=hp,
                                         **kw, **lv))
     end = cpu_ceilings(n=n)["matmul_flops"] / 1e9
     rows = []
-    for (_, _, target, levers), out in zip(cases, measured):
+    for (_, _, target, opts), out in zip(cases, measured):
         out.sort(key=lambda r: r["tok_s"])
         r = dict(out[len(out) // 2])
         r.update(runs=len(out), tok_s_runs=";".join(f"{x['tok_s']:.0f}" for x in out),
                  tok_s_best=max(x["tok_s_best"] for x in out),
-                 detach_kuramoto=bool(levers.get("detach_kuramoto")), target_tok_s=target,
+                 detach_kuramoto=bool(opts.get("detach_kuramoto")), target_tok_s=target,
                  meets_target=None if target is None else r["tok_s"] >= target,
                  matmul_gflops_start=start, matmul_gflops_end=end)
         rows.append(r)

@@ -1,4 +1,4 @@
-"""The notebooks' pure helpers: the cost model, repetition metrics, merge mean, lever recipes,
+"""The notebooks' pure helpers: the cost model, repetition metrics, merge mean, optimization set-ups,
 the profiler attribution, the decode-vs-forward probe, the allocator setting and runs in a
 fresh process."""
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fractus.bench import costmodel as cm
-from fractus.bench import levers as L
+from fractus.bench import optimizations as O
 from fractus.bench import probes as PR
 from fractus.bench import profile as P
 from fractus.model import FractusConfig, FractusCTE, level_omegas
@@ -17,36 +17,36 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------ cost model
-def test_lever_verdicts():
-    assert L.verdict(0.95, 1.37) == "no gain measured (a gain was claimed)"
-    assert L.verdict(3.6, 4.0) == L.verdict(4.9, 4.0) == L.AS_CLAIMED
-    assert L.verdict(2.0, 4.0) == "smaller than claimed" and L.verdict(6.0, 4.0) == "larger than claimed"
+def test_optimization_verdicts():
+    assert O.verdict(0.95, 1.37) == "no gain measured (a gain was claimed)"
+    assert O.verdict(3.6, 4.0) == O.verdict(4.9, 4.0) == O.AS_CLAIMED
+    assert O.verdict(2.0, 4.0) == "smaller than claimed" and O.verdict(6.0, 4.0) == "larger than claimed"
 
 
 def test_quality_effects():
-    assert L.quality_effect([0.03]) == L.LEARNS_LESS and L.quality_effect([-0.03]) == L.LEARNS_MORE
-    assert L.quality_effect([0.004]) == L.quality_effect([-0.004]) == L.NO_EFFECT
-    assert L.quality_effect([0.01]) == L.quality_effect([-0.01]) == L.SMALL_EFFECT
-    assert L.quality_effect([0.02]) == L.quality_effect([-0.02]) == L.quality_effect([0.005]) == L.SMALL_EFFECT
-    assert L.quality_effect([0.05, 0.02, 0.03]) == L.LEARNS_LESS  # every seed agrees
-    assert L.quality_effect([0.08, -0.01, 0.03]) == L.quality_effect([-0.05, 0.01]) == L.SEED_NOISE
-    assert L.quality_effect([0.012, -0.004, 0.001]) == L.NO_EFFECT  # the mean decides first
+    assert O.quality_effect([0.03]) == O.LEARNS_LESS and O.quality_effect([-0.03]) == O.LEARNS_MORE
+    assert O.quality_effect([0.004]) == O.quality_effect([-0.004]) == O.NO_EFFECT
+    assert O.quality_effect([0.01]) == O.quality_effect([-0.01]) == O.SMALL_EFFECT
+    assert O.quality_effect([0.02]) == O.quality_effect([-0.02]) == O.quality_effect([0.005]) == O.SMALL_EFFECT
+    assert O.quality_effect([0.05, 0.02, 0.03]) == O.LEARNS_LESS  # every seed agrees
+    assert O.quality_effect([0.08, -0.01, 0.03]) == O.quality_effect([-0.05, 0.01]) == O.SEED_NOISE
+    assert O.quality_effect([0.012, -0.004, 0.001]) == O.NO_EFFECT  # the mean decides first
     for bad in ([float("nan"), 0.1], []):
         with pytest.raises(ValueError, match="no quality cost"):
-            L.quality_effect(bad)
+            O.quality_effect(bad)
 
 
 def test_quality_cost_pairs_the_seeds():
     run = lambda ce, bpb: {"val_ce": ce, "val_bpb": bpb}  # noqa: E731
-    with_lever = [run(5.0, 3.10), run(5.2, 3.20), run(5.1, 3.00)]
+    with_opt = [run(5.0, 3.10), run(5.2, 3.20), run(5.1, 3.00)]
     without = [run(4.9, 3.00), run(5.0, 3.15), run(5.0, 2.98)]
-    q = L.quality_cost(with_lever, without)
+    q = O.quality_cost(with_opt, without)
     assert q["quality cost (Δbpb)"] == pytest.approx((0.10 + 0.05 + 0.02) / 3)
     assert q["Δbpb low"] == pytest.approx(0.02) and q["Δbpb high"] == pytest.approx(0.10)
     assert q["val_ce with"] == pytest.approx(5.1) and q["val_bpb without"] == pytest.approx(9.13 / 3)
-    assert q["quality effect"] == L.LEARNS_LESS
-    with pytest.raises(ValueError, match="3 runs with the lever against 2 without"):
-        L.quality_cost(with_lever, without[:2])
+    assert q["quality effect"] == O.LEARNS_LESS
+    with pytest.raises(ValueError, match="3 runs with the optimization against 2 without"):
+        O.quality_cost(with_opt, without[:2])
 
 
 def test_the_originals_profile_tables_add_up_and_map_every_component():
@@ -155,56 +155,56 @@ def test_decode_vs_forward_and_generation_table():
     assert all(len(r["ids"]) == 6 and 0 <= r["distinct_2"] <= 1 for r in rows)
 
 
-# ------------------------------------------------------------------------------ levers
-def test_lever_stack_and_alone():
-    base = L.Recipe(dims=tuple(L.SMOKE_DIMS.items()))
+# ------------------------------------------------------------------------------ optimizations
+def test_optimization_stack_and_alone():
+    base = O.Setup(dims=tuple(O.SMOKE_DIMS.items()))
     assert base.config().top_k == base.config().n_experts  # the baseline runs every expert
-    stack = L.stack(base)
-    assert len(stack) == len(L.LEVERS) + 1 and stack[0] == ("baseline", base)
+    stack = O.stack(base)
+    assert len(stack) == len(O.OPTIMIZATIONS) + 1 and stack[0] == ("baseline", base)
     last = stack[-1][1]
     assert (last.tie_head, last.head_positions, last.accum, last.chunk_len, last.detach_kuramoto,
             last.optimizer, last.batch_size, last.vocab_size, last.fused_ce) == \
         (True, "last", 8, 32, True, "sgd", 8, 8192, True)
     assert last.config().top_k == 2 and last.active_blocks == 1 and last.tokens_per_step() == 2048
-    alone = dict(L.alone(base))
+    alone = dict(O.alone(base))
     assert alone["reduced vocabulary"].vocab_size == base.reduced_vocab
     assert alone["tied head"].head_positions == "all" and alone["tied head"].tie_head
-    assert len(alone) == len(L.LEVERS) + len(L.ALONE_EXTRA)
-    assert last.lr() == 0.1 and L.Recipe(batch_size=8, chunk_len=32, accum=8).lr() == 2e-3
-    assert L.Recipe().lr() == pytest.approx(2e-3 * (16 / 2048) ** 0.5)
+    assert len(alone) == len(O.OPTIMIZATIONS) + len(O.ALONE_EXTRA)
+    assert last.lr() == 0.1 and O.Setup(batch_size=8, chunk_len=32, accum=8).lr() == 2e-3
+    assert O.Setup().lr() == pytest.approx(2e-3 * (16 / 2048) ** 0.5)
 
 
-def test_toggles_switch_one_lever_in_the_combined_configuration():
-    base = L.Recipe()
-    combined, toggles = L.toggles(base)
-    assert combined == L.stack(base, L.LEVERS[:-1])[-1][1] and combined.active_blocks == 0
-    assert [n for n, *_ in toggles] == [n for n, *_ in L.LEVERS]
+def test_toggles_switch_one_optimization_in_the_combined_configuration():
+    base = O.Setup()
+    combined, toggles = O.toggles(base)
+    assert combined == O.stack(base, O.OPTIMIZATIONS[:-1])[-1][1] and combined.active_blocks == 0
+    assert [n for n, *_ in toggles] == [n for n, *_ in O.OPTIMIZATIONS]
     for name, on, off in toggles:
         differ = {k for k in on.__dataclass_fields__ if getattr(on, k) != getattr(off, k)}
         assert len(differ) == 1, (name, differ)
         assert (on == combined) != (name.startswith("PGSU")) and (off == combined) == name.startswith("PGSU")
 
 
-def test_bf16_gain_of_a_levers_table():
+def test_bf16_gain_of_an_optimizations_table():
     import pandas as pd
-    plan = L.gpu_plan(cuda=True)
-    table = pd.DataFrame([{"table": t, "lever": n, "dtype": "bfloat16" if bf16 else "float32", "tok_s": 100.0}
+    plan = O.gpu_plan(cuda=True)
+    table = pd.DataFrame([{"table": t, "optimization": n, "dtype": "bfloat16" if bf16 else "float32", "tok_s": 100.0}
                           for t, n, _, bf16, _ in plan])
     table.loc[table["table"] != "cumulative", "speedup_vs_last_row"] = [0.5, 0.25]  # fp32, then PyTorch
-    assert L.bf16_gain(table) == 2.0
-    assert L.bf16_gain(table[table["table"] == "cumulative"]) is None  # stopped before its variants
-    assert L.bf16_gain(table.assign(dtype="float32")) is None  # a dry run: fp32 throughout
-    assert L.bf16_gain(table.iloc[:0]) is None
+    assert O.bf16_gain(table) == 2.0
+    assert O.bf16_gain(table[table["table"] == "cumulative"]) is None  # stopped before its variants
+    assert O.bf16_gain(table.assign(dtype="float32")) is None  # a dry run: fp32 throughout
+    assert O.bf16_gain(table.iloc[:0]) is None
 
 
 def test_spread_windows():
     import numpy as np
     t = np.arange(1000)
-    w = L.spread_windows(t, 80, 8)
+    w = O.spread_windows(t, 80, 8)
     assert len(w) == 81 and w[0] == 0 and w[-1] == 999 - 0 and w[-2] == 998
     pieces = w[:80].reshape(8, 10)
     assert (np.diff(pieces, axis=1) == 1).all() and (np.diff(pieces[:, 0]) > 10).all()  # contiguous, spread out
-    assert len(L.spread_windows(t, 2000, 8)) == 1000  # too short: everything
+    assert len(O.spread_windows(t, 2000, 8)) == 1000  # too short: everything
 
 
 def test_short_train_learns_on_its_slice(tmp_path):
@@ -212,12 +212,12 @@ def test_short_train_learns_on_its_slice(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("to be or not to be, that is the question.\n" * 400)
     prepare(str(text), tmp_path / "data", 512)
-    r = L.Recipe(preset="tiny", vocab_size=512, tie_head=True, sparse_moe=True, fused_ce=True, batch_size=2,
-                 chunk_len=16, accum=1)
+    r = O.Setup(preset="tiny", vocab_size=512, tie_head=True, sparse_moe=True, fused_ce=True, batch_size=2,
+                chunk_len=16, accum=1)
     torch.manual_seed(0)
     model = FractusCTE(r.config())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    out = L.short_train(r, 512, 256, data_dir=tmp_path / "data", train_slice=(0.0, 0.5), model=model)
+    out = O.short_train(r, 512, 256, data_dir=tmp_path / "data", train_slice=(0.0, 0.5), model=model)
     assert out["steps"] == 16 and out["tokens"] == 512
     assert math.isfinite(out["val_ce"]) and out["val_ce"] < math.log(512)
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -225,8 +225,8 @@ def test_short_train_learns_on_its_slice(tmp_path):
 
 # ------------------------------------------------------------------------------ profiler
 def test_forward_components_cover_the_profiled_forward():
-    r = L.Recipe(preset="tiny", vocab_size=512, tie_head=True, sparse_moe=True, fused_ce=True, batch_size=2,
-                 chunk_len=16)
+    r = O.Setup(preset="tiny", vocab_size=512, tie_head=True, sparse_moe=True, fused_ce=True, batch_size=2,
+                chunk_len=16)
     fc = P.forward_components(r, iters=1, warmup=1)
     total = sum(fc[c] for c in P.COMPONENTS)
     assert total == pytest.approx(fc["forward"], rel=0.02)
@@ -314,20 +314,20 @@ def test_launched_ops_counts_an_op_once_whatever_it_calls_inside(n, four_threads
 def test_gpu_launch_count_does_not_vary_with_the_batch(four_threads):
     """The GPU path's launches are a property of the structure: the same at B=8 and B=64 (B=1 skips
     copies of tensors that are contiguous only then; few tokens split the head's vocabulary)."""
-    r = L.Recipe(preset="palier0", vocab_size=512, tie_head=True, sparse_moe=True, fused_ce=True, chunk_len=128)
+    r = O.Setup(preset="palier0", vocab_size=512, tie_head=True, sparse_moe=True, fused_ce=True, chunk_len=128)
     assert P.gpu_launch_count(replace(r, batch_size=8)) == P.gpu_launch_count(replace(r, batch_size=64))
 
 
 def test_gpu_launch_count_grows_with_layers_not_experts():
     """Launches of the GPU's path (Triton launches captured): per layer a fixed number, whatever the
     expert count; the CPU path's sorted MoE instead runs ops per expert."""
-    def recipe(**dims):
-        return L.Recipe(preset="tiny", vocab_size=256, tie_head=True, sparse_moe=True, fused_ce=True,
-                        chunk_len=16, batch_size=2, dims=tuple(dims.items()))
-    one, two = (P.gpu_launch_count(recipe(n_layers=n, n_experts=4)) for n in (1, 2))
+    def setup(**dims):
+        return O.Setup(preset="tiny", vocab_size=256, tie_head=True, sparse_moe=True, fused_ce=True,
+                       chunk_len=16, batch_size=2, dims=tuple(dims.items()))
+    one, two = (P.gpu_launch_count(setup(n_layers=n, n_experts=4)) for n in (1, 2))
     assert 20 < two - one < 400  # a block: attention, clock, MoE and norms, forward and backward
-    assert P.gpu_launch_count(recipe(n_layers=1, n_experts=16)) == one
-    cpu = [P.op_count(recipe(n_layers=1, n_experts=e))["ops"] for e in (4, 16)]
+    assert P.gpu_launch_count(setup(n_layers=1, n_experts=16)) == one
+    cpu = [P.op_count(setup(n_layers=1, n_experts=e))["ops"] for e in (4, 16)]
     assert cpu[1] > cpu[0]
 
 
@@ -354,22 +354,22 @@ def test_fla_baseline_computes_the_models_attention(monkeypatch):
 
 
 def test_speeds_are_interleaved_and_ratios_taken_round_by_round(monkeypatch):
-    a, b, c = L.Recipe(batch_size=1), L.Recipe(batch_size=2), L.Recipe(batch_size=4)
+    a, b, c = O.Setup(batch_size=1), O.Setup(batch_size=2), O.Setup(batch_size=4)
     calls = []
 
-    def fake(recipe, **kw):  # the machine halves its speed every round; b is 0.5 × a, c 2 × a
-        calls.append(recipe.batch_size)
+    def fake(setup, **kw):  # the machine halves its speed every round; b is 0.5 × a, c 2 × a
+        calls.append(setup.batch_size)
         rnd = (len(calls) - 1) // 3
-        return {"tok_s": 100.0 * recipe.batch_size / 2 ** rnd * (0.25 if recipe.batch_size == 2 else 1)}
+        return {"tok_s": 100.0 * setup.batch_size / 2 ** rnd * (0.25 if setup.batch_size == 2 else 1)}
 
-    monkeypatch.setattr(L, "measure_speed", fake)
-    speeds = L.measure_speeds([a, b, a, c], rounds=4)
+    monkeypatch.setattr(O, "measure_speed", fake)
+    speeds = O.measure_speeds([a, b, a, c], rounds=4)
     rounds = [calls[i:i + 3] for i in range(0, 12, 3)]
     assert all(sorted(r) == [1, 2, 4] for r in rounds) and len({tuple(r) for r in rounds}) > 1  # shuffled
     assert speeds[a] == [100.0, 50.0, 25.0, 12.5] and speeds[b] == [50.0, 25.0, 12.5, 6.25]
-    assert L.speedup(speeds, b, a) == pytest.approx({"median": 0.5, "low": 0.5, "high": 0.5})
-    assert L.speedup(speeds, c, a)["median"] == pytest.approx(4.0)
-    rows = L.rounds_rows(speeds, {a: "a", b: "b", c: "c"})
+    assert O.speedup(speeds, b, a) == pytest.approx({"median": 0.5, "low": 0.5, "high": 0.5})
+    assert O.speedup(speeds, c, a)["median"] == pytest.approx(4.0)
+    rows = O.rounds_rows(speeds, {a: "a", b: "b", c: "c"})
     assert len(rows) == 12 and rows[1] == {"recipe": "a", "round": 1, "tok_s": 50.0}
 
 

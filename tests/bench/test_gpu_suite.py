@@ -21,8 +21,8 @@ def dry_run(tmp_path_factory):
 def test_gpu_suite_dry_run(dry_run):
     tmp_path, tables = dry_run
     assert tables["failures"].empty, tables["failures"].to_dict("records")
-    for name in ["ceilings", "precompile", "trainer_resume", "train_throughput", "generation", "levers", "profile",
-                 "correctness_offsets"] + [
+    for name in ["ceilings", "precompile", "trainer_resume", "train_throughput", "generation", "optimizations",
+                 "profile", "correctness_offsets"] + [
             f"{s}_{k}" for k in (*KERNELS, "kuramoto") for s in ("correctness", "timing")]:
         df = pd.read_csv(tmp_path / f"{name}.csv")
         assert len(df) and {"git_sha", "device", "torch", "triton", "date"} <= set(df.columns), name
@@ -92,7 +92,7 @@ def test_the_summary_prints_a_pass_fail_table_per_kernel_and_dtype(dry_run, caps
 def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
     """Notebooks 01-04 say "not measured" until results/gpu/ exists; here their GPU sections run on
     a dry run's tables (FRACTUS_GPU_RESULTS), with training rows relabelled as the sweep's (one
-    measured, one preset whose every configuration failed) and the levers' as bf16 autocast's, so
+    measured, one preset whose every configuration failed) and the optimizations' as bf16 autocast's, so
     that a GPU run's tables never meet code that has not run."""
     import shutil
 
@@ -105,9 +105,9 @@ def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
     failed = [{"preset": "1b", "batch_size": b, "chunk_len": 128, "tok_s": None, "mfu": None,  # a preset
                "error": "out of memory"} for b in (8, 32)]  # whose every configuration failed
     pd.concat([train, measured, pd.DataFrame(failed)]).to_csv(gpu_dir / "train_throughput.csv", index=False)
-    levers = pd.read_csv(gpu_dir / "levers.csv")  # and as if in bf16 autocast but the fp32 variant
-    levers.loc[levers["lever"] != "fp32 (no autocast)", "dtype"] = "bfloat16"
-    levers.to_csv(gpu_dir / "levers.csv", index=False)
+    opts = pd.read_csv(gpu_dir / "optimizations.csv")  # and as if in bf16 autocast but the fp32 variant
+    opts.loc[opts["optimization"] != "fp32 (no autocast)", "dtype"] = "bfloat16"
+    opts.to_csv(gpu_dir / "optimizations.csv", index=False)
     monkeypatch.setenv("FRACTUS_SMOKE", "1")
     monkeypatch.setenv("FRACTUS_GPU_RESULTS", str(gpu_dir))
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # their smoke results apart from nbval's runs of them (pytest -n)
@@ -158,9 +158,9 @@ def test_gpu_suite_records_stages_whose_fresh_process_died(tmp_path, monkeypatch
     monkeypatch.setattr(gpu, "generation_rows", lambda device, dry_run: 1 / 0)
     monkeypatch.setattr(gpu, "cuda_context_lost", lambda device: True)
     monkeypatch.setattr(gpu.sys, "executable", shutil.which("false"))  # the fresh process exits at once
-    tables, failures = gpu.run_stages(tmp_path, ["generation", "levers", "profile"], True, time.time())
-    assert tables == {} and [f["stage"] for f in failures] == ["generation", "levers", "profile"]
-    assert all(f["error"].endswith("from levers exited with code 1") for f in failures[1:])
+    tables, failures = gpu.run_stages(tmp_path, ["generation", "optimizations", "profile"], True, time.time())
+    assert tables == {} and [f["stage"] for f in failures] == ["generation", "optimizations", "profile"]
+    assert all(f["error"].endswith("from optimizations exited with code 1") for f in failures[1:])
 
 
 def test_gpu_suite_stops_a_fresh_process_that_outlives_the_budget(tmp_path, monkeypatch):
@@ -171,9 +171,9 @@ def test_gpu_suite_stops_a_fresh_process_that_outlives_the_budget(tmp_path, monk
     monkeypatch.setattr(gpu, "cuda_context_lost", lambda device: True)
     monkeypatch.setattr(gpu, "LAST_STAGE_S", -999.0)  # budget 1000 s: the fresh process gets 1 s
     t0 = time.time()
-    tables, failures = gpu.run_stages(tmp_path, ["generation", "levers"], True, t0, budget_s=1000.0)
+    tables, failures = gpu.run_stages(tmp_path, ["generation", "optimizations"], True, t0, budget_s=1000.0)
     # SIGTERM while it starts (killed: "was stopped after 1 s") or inside its stage (it hands back "stopped")
-    assert tables == {} and [f["stage"] for f in failures] == ["generation", "levers"]
+    assert tables == {} and [f["stage"] for f in failures] == ["generation", "optimizations"]
     assert failures[1]["error"].endswith("was stopped after 1 s (the time budget)") or \
         failures[1]["error"] == "stopped: signal SIGTERM", failures[1]
     assert time.time() - t0 < 40
@@ -195,13 +195,15 @@ def test_sigterm_stops_the_running_stage_and_keeps_what_was_measured(tmp_path, m
     monkeypatch.setattr(gpu, "generation_rows", killed)
     before, t0 = signal.getsignal(signal.SIGTERM), time.time()
     with gpu.stop_on_sigterm():
-        tables, failures = gpu.run_stages(tmp_path, ["correctness_kuramoto", "generation", "levers"], True, t0)
+        tables, failures = gpu.run_stages(tmp_path, ["correctness_kuramoto", "generation", "optimizations"], True,
+                                          t0)
         os.kill(os.getpid(), signal.SIGTERM)  # `timeout` signals the process, then its group: the second is ignored
         time.sleep(0.2)
     assert time.time() - t0 < 20 and set(tables) == {"correctness_kuramoto", "generation"}
     assert (tmp_path / "correctness_kuramoto.csv").exists()
     assert pd.read_csv(tmp_path / "generation.csv")["tok_s"].tolist() == [1.0]  # the stopped stage's row
-    assert failures == [{"stage": n, "error": "stopped: signal SIGTERM", "trace": ""} for n in ("generation", "levers")]
+    assert failures == [{"stage": n, "error": "stopped: signal SIGTERM", "trace": ""}
+                        for n in ("generation", "optimizations")]
     assert signal.getsignal(signal.SIGTERM) is before
 
 
@@ -253,7 +255,7 @@ def test_a_failing_training_configuration_does_not_lose_the_sweep(monkeypatch):
 
 
 def test_the_training_sweep_measures_each_presets_own_model(monkeypatch):
-    """train_rows builds its models from train_recipe, which the precompile and the cost model's
+    """train_rows builds its models from train_setup, which the precompile and the cost model's
     launch counts (notebook 04) also take: all must be the preset's model at the sweep's chunk."""
     from fractus.bench import gpu
     from fractus.model import FractusConfig
@@ -268,7 +270,7 @@ def test_the_training_sweep_measures_each_presets_own_model(monkeypatch):
         assert FractusConfig.preset(p, **over) == FractusConfig.preset(preset, chunk_len=chunk)
         assert (kw["head_positions"], kw["accum"], kw["optimizer"]) == ("all", 1, "sgd")
     for p, _, c in sweep + gpu.DRY_SWEEP:
-        assert gpu.train_recipe(p, c).config() == FractusConfig.preset(p, chunk_len=c)
+        assert gpu.train_setup(p, c).config() == FractusConfig.preset(p, chunk_len=c)
     compiled = [(p, kw["batch_size"], FractusConfig.preset(p, **{k: v for k, v in kw.items() if k in fields}))
                 for p, kw in gpu.model_runs() if kw["steps"] and kw["head_positions"] == "all"
                 for fields in [FractusConfig.__dataclass_fields__]]

@@ -179,8 +179,8 @@ print([i for i, c in enumerate(compiles) if not any(c[0] is k[0] for k in kept)]
 def test_precompile_covers_what_the_suite_stages_launch():
     """The GPU suite precompiles the ops' launches and ``gpu.model_runs()``: every compile that its
     stages need is among them, so that none compiles one at a time on the device. The model
-    stages: the training sweep at a batch divisible by 16 with the carried state, every lever recipe
-    on the Triton kernels (bf16, and the fp32 variant), every profile recipe, generation. The
+    stages: the training sweep at a batch divisible by 16 with the carried state, every optimization
+    setup on the Triton kernels (bf16, and the fp32 variant), every profile setup, generation. The
     kernels' checks at their full sizes (fp32 and bf16, the MoE's fp32 master experts, B=1), and
     their timings' Triton launches (forward alone and forward+backward, the attention's chunk-64
     backward). The stages run on CPU with launches captured (their losses are garbage: nothing is
@@ -189,10 +189,10 @@ def test_precompile_covers_what_the_suite_stages_launch():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = """
 import torch
-from fractus.bench import cross_entropy as ce, levers, linear_attention as la, moe, profile, throughput
+from fractus.bench import cross_entropy as ce, linear_attention as la, moe, optimizations, profile, throughput
 from fractus.verify import aot
 from fractus.bench.cases import GEN_PROMPT
-from fractus.bench.gpu import kuramoto_rows, model_runs, train_recipe
+from fractus.bench.gpu import kuramoto_rows, model_runs, train_setup
 from fractus.model import FractusConfig, FractusCTE, level_omegas
 steps = throughput.micro_steps
 throughput.micro_steps = lambda *a, **k: (*steps(*a, **k)[:3], True)  # captured kernels leave garbage
@@ -226,15 +226,15 @@ def timings():  # the Triton launches of each kernel's gpu_rows (the baselines l
     ce._fwd_bwd(ce._impl("triton"), *ce.make_case(**ce.GPU_CASE, dtype=bf16))
 
 pre = keys(aot.launches(presets=model_runs(), extras=("bwd64",)))
-plan = levers.gpu_plan(cuda=True)
+plan = optimizations.gpu_plan(cuda=True)
 kw = dict(min_tokens=0, min_steps=1, warmup=1, device="cpu", backend="triton")
-needed = {**stage(lambda: throughput.measure_training("palier0", **train_recipe("palier0", 128, 64).trainer_kwargs(),
+needed = {**stage(lambda: throughput.measure_training("palier0", **train_setup("palier0", 128, 64).trainer_kwargs(),
                                                    steps=1, warmup=1, device="cpu", bf16=True, backend="triton")),
           **stage(generate), **stage(timings),
           **stage(lambda: kuramoto_rows(torch.device("cpu"), False, timing=False))}
-recipes = [(r, bf16) for _, _, r, bf16, backend in plan if backend != "torch"]
-for r, bf16 in recipes + [(r, True) for _, r in profile.gpu_recipes(cuda=True)]:
-    needed.update(stage(lambda: levers.measure_speed(r, bf16=bf16, **kw)))
+setups = [(r, bf16) for _, _, r, bf16, backend in plan if backend != "torch"]
+for r, bf16 in setups + [(r, True) for _, r in profile.gpu_setups(cuda=True)]:
+    needed.update(stage(lambda: optimizations.measure_speed(r, bf16=bf16, **kw)))
 for bench in (la, moe, ce):
     needed.update(stage(lambda: bench.correctness_rows("cpu")))
 missing = sorted({n for k, n in needed.items() if k not in pre})
