@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from fractus.bench.architecture import Variant, trained_tokens
+from fractus.bench.architecture import STEP_TOKENS, Variant, trained_tokens
 from fractus.cli import run_command
-from fractus.records import append_csv
+from fractus.records import append_csv, write_csv
 
 MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 tokens a step each)
     "default": Variant("default", "recipe", preset="palier0"),
@@ -157,6 +157,37 @@ def stage_jobs(stage: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=
     raise ValueError(f"unknown stage {stage!r}: sweep, seeds, budget or levers")
 
 
+def timing(names, data, steps: int = 60, rounds: int = 3, threads: int = 2, models: dict | None = None,
+           log=print) -> pd.DataFrame:
+    """Training throughput of each model in ``names``, measured in this one process on ``threads``
+    threads, the models taking turns for ``rounds`` rounds of ``steps`` optimizer steps each (so a
+    busy or throttled machine slows them alike): rows {model, round, tok_s} with tok_s the median
+    over a round's steps after its first five (one step's tokens over its seconds)."""
+    import tempfile
+
+    import torch
+
+    from fractus.runs import read_metrics
+    from fractus.train import train
+    models = {**MODELS, **LEVERS} if models is None else models
+    before = torch.get_num_threads()
+    rows = []
+    try:
+        for r in range(rounds):
+            for name in names:
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = Path(tmp) / "run"
+                    argv = models[name].argv(data, out, steps * STEP_TOKENS, 0, threads)
+                    train([*argv, "--no-progress"])
+                    tok_s = [float(m["tok_s"]) for m in read_metrics(out / "metrics.csv")][5:]
+                rows.append({"model": name, "round": r, "steps": steps, "threads": threads,
+                             "tok_s": float(pd.Series(tok_s).median())})
+                log(f"round {r} {name:48s} {rows[-1]['tok_s']:,.0f} tok/s")
+    finally:
+        torch.set_num_threads(before)
+    return pd.DataFrame(rows)
+
+
 def summary(rows: pd.DataFrame, tokens: int = DEMO_TOKENS) -> pd.DataFrame:
     """Per model at its best rate and ``tokens``: headline CE mean, min, max over seeds, bits/byte,
     training tok/s, and the mean CE and time against the transformer's."""
@@ -181,16 +212,24 @@ def summary(rows: pd.DataFrame, tokens: int = DEMO_TOKENS) -> pd.DataFrame:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.bench.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("sweep", "seeds", "budget", "levers"))
+    ap.add_argument("stage", choices=("sweep", "seeds", "budget", "levers", "timing"))
     ap.add_argument("--lr", type=float, default=None, help="levers: the rate they train at (default: the default "
                                                               "CTE's best of the sweep)")
     ap.add_argument("--data", required=True, help="directory written by `python -m fractus.data prepare`")
     ap.add_argument("--csv", default="results/compare_cpu.csv")
     ap.add_argument("--runs", default="runs/compare", help="the runs' directories (kept for resuming)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--timing-csv", default="results/compare_timing_cpu.csv",
+                    help="timing: the CSV its rows go to (replaced)")
+    ap.add_argument("--models", nargs="*", default=None, help="timing: the models to time (default: all)")
     a = ap.parse_args(argv)
 
     def body():
+        if a.stage == "timing":
+            t = timing(a.models or [*MODELS, *LEVERS], a.data)
+            write_csv(a.timing_csv, t.to_dict("records"))
+            print(t.groupby("model", sort=False)["tok_s"].median().to_string())
+            return
         rows = pd.read_csv(a.csv) if Path(a.csv).exists() else None
         jobs = stage_jobs(a.stage, rows, lr=a.lr)
         rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.stage, a.workers, models={**MODELS, **LEVERS})

@@ -59,3 +59,14 @@ def test_run_appends_each_reading_keeps_finished_runs_and_resumes_stopped_ones(t
     assert read_metrics(stopped / "metrics.csv")[-1]["val_ce"] == read_metrics(fresh / "metrics.csv")[-1]["val_ce"]
     again = C.run(jobs, data, csv, runs, "sweep", workers=1, log=log.append, models=models)
     assert len(again) == 3 and log[-1] == f"2 of 2 runs kept from {csv}"
+
+
+def test_timing_takes_turns(tmp_path):
+    data = make_corpus(tmp_path)
+    models = {"default": Variant("default", "recipe", preset="tiny", chunk_len=16, batch_size=2),
+              "transformer": Variant("transformer", "baseline", model="transformer", preset="tiny", chunk_len=16,
+                                     batch_size=2)}
+    t = C.timing(["default", "transformer"], data, steps=7, rounds=2, threads=1, models=models, log=lambda s: None)
+    assert list(zip(t["round"], t["model"])) == [(0, "default"), (0, "transformer"), (1, "default"),
+                                                 (1, "transformer")]
+    assert (t["tok_s"] > 0).all()
