@@ -23,7 +23,7 @@ from fractus.data import TokenStreams, load_tokens, prepare, write_toy_corpus
 from fractus.data import main as data_main
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
-from fractus.resume import RESUME_KEYS
+from fractus.resume import ADAMW_LR, RESUME_KEYS
 from fractus.runs import METRIC_FIELDS
 from fractus.tokenizer import get_tokenizer
 from fractus.train import NonFiniteLoss, main, micro_steps, set_active_blocks, train
@@ -625,7 +625,7 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     train(cli(data, out, "--eval-every", "0", tokens=5 * 32))
     cases = [(["--resume", "--batch-size", "3"], "--resume with different settings"),
              (["--resume", "--set", "n_layers=3"], "'config n_layers': (2, 3)"),
-             (["--resume", "--lr", "1e-4"], "'lr': (0.002, 0.0001)"),  # the restored optimizer would ignore it
+             (["--resume", "--lr", "1e-4"], f"'lr': ({ADAMW_LR['cte']}, 0.0001)"),  # the restored optimizer would ignore it
              (["--resume", "--weight-decay", "0.5"], "'weight_decay': (0.1, 0.5)"),
              ([], "exists: pass --resume")]
     for extra, msg in cases:
@@ -648,7 +648,7 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
     # the same settings written otherwise: the data directory by another path, the defaults lr and bf16 explicitly
     relative = os.path.relpath(data, Path.cwd())
     assert not os.path.isabs(relative)
-    train([*cli(data, out, "--eval-every", "0", "--resume", "--lr", "0.002", "--no-bf16", tokens=6 * 32),
+    train([*cli(data, out, "--eval-every", "0", "--resume", "--lr", str(ADAMW_LR["cte"]), "--no-bf16", tokens=6 * 32),
            "--data", relative])
     assert load_checkpoint(out / "ckpt.pt")["step"] == 6
     # the config as resolved: the preset's own values through --set, in any order, and another backend

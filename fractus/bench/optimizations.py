@@ -36,10 +36,10 @@ from fractus.bench.throughput import measure_training, random_batches
 from fractus.data import TokenStreams, load_meta, load_tokens, prepare
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.records import REPO
-from fractus.resume import DEFAULT_LR
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import evaluate, lr_lambda, make_optimizer, micro_steps, set_active_blocks
 
+TABLE_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}  # the rates the optimization table is measured at
 REFERENCE_TOKENS_PER_STEP = 2048  # the trainer's defaults: 8 streams × 32 positions × accumulation 8
 # Model dimensions that FRACTUS_SMOKE runs use instead of a preset's: the 'tiny' preset's widths.
 SMOKE_DIMS = {k: PRESETS["tiny"][k] for k in ("d_model", "n_heads", "expert_d_ff", "expert_rank",
@@ -94,11 +94,11 @@ class Setup:
         return self.batch_size * self.chunk_len * self.accum
 
     def lr(self) -> float:
-        """Peak learning rate: the trainer's default (AdamW/RMSprop 2e-3, SGD 0.1), which is set
-        for its 2048 tokens per step, scaled by √(tokens per step / 2048). Unscaled, at the
-        original baseline's 16 tokens per step (vocabulary 50257), validation CE rose above a
-        uniform guess's in our runs (12.9 vs 10.8 nats after 32k tokens)."""
-        return DEFAULT_LR[self.optimizer] * math.sqrt(self.tokens_per_step() / REFERENCE_TOKENS_PER_STEP)
+        """Peak learning rate: :data:`TABLE_LR` (AdamW/RMSprop 2e-3, SGD 0.1), set for 2048 tokens
+        per step, scaled by √(tokens per step / 2048). Unscaled, at the original baseline's 16
+        tokens per step (vocabulary 50257), validation CE rises above a uniform guess's (12.9 vs
+        10.8 nats after 32k tokens)."""
+        return TABLE_LR[self.optimizer] * math.sqrt(self.tokens_per_step() / REFERENCE_TOKENS_PER_STEP)
 
     def trainer_kwargs(self) -> dict:
         """:func:`fractus.bench.throughput.measure_training`'s keywords for this setup (the learning
