@@ -209,6 +209,28 @@ def summary(rows: pd.DataFrame, tokens: int = DEMO_TOKENS) -> pd.DataFrame:
     return t
 
 
+def plot_sweep(rows: pd.DataFrame, path, tokens: int = DEMO_TOKENS) -> Path:
+    """Validation CE (each model's own reading) against the peak rate, one line per model of the
+    sweep, the levers tried as points; written to ``path`` with its provenance."""
+    import matplotlib.pyplot as plt
+
+    from fractus.bench.report import save_figure
+    h = headline(rows)
+    h = h[h["tokens"] == trained_tokens(tokens)]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for m in MODELS:
+        g = h[(h["model"] == m) & (h["stage"] == "sweep")].groupby("lr")["val_ce"].mean()
+        if len(g):
+            ax.semilogx(g.index, g.values, "o-", label=f"{m} ({headline_reading(m)})")
+    for name, g in h[h["stage"] == "levers"].groupby("model"):
+        ax.semilogx(g["lr"], g["val_ce"], "x", ms=8, label=name)
+    ax.set_xlabel("peak learning rate (AdamW)")
+    ax.set_ylabel("validation CE (nats/token)")
+    ax.set_title(f"palier0 size, {tokens / 1e6:g} M tokens, seed 0")
+    ax.legend(fontsize=7)
+    return save_figure(fig, path, note="results/compare_cpu.csv")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.bench.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
