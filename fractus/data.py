@@ -241,13 +241,9 @@ def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> n
 
 
 @dataclass
-class TokenStreams:
-    """``batch_size`` contiguous streams cut from one token array, read a chunk at a time.
-
-    The global batch is ``world · batch_size`` streams; rank r reads streams
-    r·batch_size … (r+1)·batch_size − 1. ``position`` (the chunk index) is all the state a
-    checkpoint needs; reaching the end of the streams wraps to the start (a new epoch).
-    """
+class _Reader:
+    """What both readings of a token array share: its sizes, this process's rank among ``world``,
+    and ``position``, the batches read so far (all a checkpoint needs)."""
     tokens: np.ndarray
     batch_size: int
     chunk_len: int
@@ -258,6 +254,26 @@ class TokenStreams:
     def __post_init__(self):
         if self.batch_size < 1 or self.chunk_len < 1:
             raise ValueError(f"batch_size and chunk_len must be ≥ 1, got {self.batch_size} and {self.chunk_len}")
+
+    def _batch(self, starts) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) [len(starts), chunk_len] int64: the windows at ``starts`` and their next tokens."""
+        rows = np.stack([np.asarray(self.tokens[o:o + self.chunk_len + 1], dtype=np.int64) for o in starts])
+        self.position += 1
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:]
+
+
+@dataclass
+class TokenStreams(_Reader):
+    """``batch_size`` contiguous streams cut from one token array, read a chunk at a time.
+
+    The global batch is ``world · batch_size`` streams; rank r reads streams
+    r·batch_size … (r+1)·batch_size − 1. ``position`` (the chunk index) is all the state a
+    checkpoint needs; reaching the end of the streams wraps to the start (a new epoch).
+    """
+
+    def __post_init__(self):
+        super().__post_init__()
         n_streams = self.batch_size * self.world
         self.stream_len = (len(self.tokens) - 1) // n_streams
         self.chunks_per_epoch = self.stream_len // self.chunk_len
@@ -271,15 +287,11 @@ class TokenStreams:
     def next(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(x [B, C], y [B, C] int64, new_epoch): next chunk; new_epoch means reset the state."""
         new_epoch = self.position % self.chunks_per_epoch == 0
-        off = self.starts + (self.position % self.chunks_per_epoch) * self.chunk_len
-        rows = np.stack([np.asarray(self.tokens[o:o + self.chunk_len + 1], dtype=np.int64) for o in off])
-        self.position += 1
-        t = torch.from_numpy(rows)
-        return t[:, :-1], t[:, 1:], new_epoch
+        return (*self._batch(self.starts + (self.position % self.chunks_per_epoch) * self.chunk_len), new_epoch)
 
 
 @dataclass
-class ShuffledWindows:
+class ShuffledWindows(_Reader):
     """Non-overlapping windows of ``chunk_len`` tokens in a random order, ``batch_size`` per call
     per process: the reading of a model that carries no state.
 
@@ -289,17 +301,10 @@ class ShuffledWindows:
     windows of that order, rank r the r-th ``batch_size`` of them, so ``position`` (the calls made)
     is all a checkpoint needs, as :class:`TokenStreams`'s. Every token is read once an epoch, and a
     batch mixes windows from the whole corpus."""
-    tokens: np.ndarray
-    batch_size: int
-    chunk_len: int
-    seed: int
-    rank: int = 0
-    world: int = 1
-    position: int = 0
+    seed: int = 0
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.chunk_len < 1:
-            raise ValueError(f"batch_size and chunk_len must be ≥ 1, got {self.batch_size} and {self.chunk_len}")
+        super().__post_init__()
         # windows per epoch, whatever the offset: window j covers tokens [o + j·C, o + (j + 1)·C] (+1 target)
         self.windows_per_epoch = (len(self.tokens) - self.chunk_len) // self.chunk_len
         if self.windows_per_epoch < 1:
@@ -320,10 +325,7 @@ class ShuffledWindows:
         for g in range(first, first + self.batch_size):
             offset, order = self._order(g // self.windows_per_epoch)
             starts.append(offset + int(order[g % self.windows_per_epoch]) * self.chunk_len)
-        rows = np.stack([np.asarray(self.tokens[o:o + self.chunk_len + 1], dtype=np.int64) for o in starts])
-        self.position += 1
-        t = torch.from_numpy(rows)
-        return t[:, :-1], t[:, 1:], True
+        return (*self._batch(starts), True)
 
 
 def main(argv=None) -> None:

@@ -286,7 +286,7 @@ def set_up(args: argparse.Namespace) -> Run:
     if settings["sampling"] == "streams":
         streams = TokenStreams(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world)
     else:
-        streams = ShuffledWindows(train_tok, args.batch_size, args.chunk_len, args.seed, rank=rank, world=world)
+        streams = ShuffledWindows(train_tok, args.batch_size, args.chunk_len, rank=rank, world=world, seed=args.seed)
     try:  # a too-short split fails now, not at evaluation
         TokenStreams(val_tok, world * args.batch_size, args.chunk_len)
     except ValueError as e:
