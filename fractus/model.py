@@ -292,7 +292,9 @@ def window_attention(q, k, v, cache, window: int):
     q, k, v [B, T, H, D]; cache (keys, values [B, P, H, D] fp32, present [B, P]) of the P =
     window − 1 positions before the chunk, or None (a fresh state: none present). Position t sees
     the keys of t − window + 1 … t that are present, rotated by position (RoPE, so scores depend on
-    distances only). Returns (y [B, T, H, D] in q's dtype, the new cache)."""
+    distances only). The chunk is read in blocks of Q = min(window, T) queries, each against its
+    Q + P keys, so the scores cost T·(Q + P) rather than T·(T + P). Returns (y [B, T, H, D] in q's
+    dtype, the new cache)."""
     B, T, H, D = q.shape
     P = window - 1
     if cache is None:
@@ -301,15 +303,27 @@ def window_attention(q, k, v, cache, window: int):
     kc, vc, present = cache
     keys, values = torch.cat([kc.to(k.dtype), k], 1), torch.cat([vc.to(v.dtype), v], 1)  # [B, P + T, H, D]
     seen = torch.cat([present, present.new_ones(B, T)], 1) > 0  # [B, P + T]
-    i = torch.arange(P, P + T, device=q.device)[:, None]
-    j = torch.arange(P + T, device=q.device)[None, :]
-    mask = ((j <= i) & (j > i - window))[None] & seen[:, None, :]  # [B, T, P + T]
-    cos, sin = rope_tables(P + T, D, q.device, dtype=torch.promote_types(q.dtype, torch.float32))
-    qr = rotate(q.transpose(1, 2), cos[P:], sin[P:])  # [B, H, T, D]
-    kr = rotate(keys.transpose(1, 2), cos, sin)
-    y = F.scaled_dot_product_attention(qr, kr, values.transpose(1, 2), attn_mask=mask[:, None])
+    Q = min(window, T)
+    nb = -(-T // Q)
+    pad = nb * Q - T  # padded queries at the end: each still sees real keys, and is dropped
+    cos, sin = rope_tables(P + T + pad, D, q.device, dtype=torch.promote_types(q.dtype, torch.float32))
+    qr = rotate(F.pad(q, (0, 0, 0, 0, 0, pad)).transpose(1, 2), cos[P:], sin[P:])  # [B, H, nb·Q, D]
+    kr = rotate(F.pad(keys, (0, 0, 0, 0, 0, pad)).transpose(1, 2), cos, sin)  # [B, H, P + nb·Q, D]
+    vr = F.pad(values, (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+    # block b: queries bQ … bQ + Q − 1 against keys bQ … bQ + Q + P − 1 (key index = position + P):
+    # with several blocks (Q = window > P), the first P of key segment b, then the block's own Q
+    kb, vb = (t[:, :, None] if nb == 1 else torch.cat([t[:, :, :nb * Q].view(B, H, nb, Q, D)[:, :, :, :P],
+                                                      t[:, :, P:].view(B, H, nb, Q, D)], 3)
+              for t in (kr, vr))  # [B, H, nb, Q + P, D]
+    i = torch.arange(Q, device=q.device)[:, None]
+    j = torch.arange(Q + P, device=q.device)[None, :]
+    band = (j >= i) & (j <= i + P)  # [Q, Q + P]: query i sees itself and the P keys before it
+    present_b = F.pad(seen, (0, pad)).unfold(1, Q + P, Q)  # [B, nb, Q + P] (no gradient)
+    mask = (band & present_b[:, None, :, None, :]).expand(B, H, nb, Q, Q + P)
+    y = F.scaled_dot_product_attention(qr.reshape(B, H * nb, Q, D), kb.reshape(B, H * nb, Q + P, D),
+                                       vb.reshape(B, H * nb, Q + P, D), attn_mask=mask.reshape(B, H * nb, Q, Q + P))
     new = (keys[:, T:].float(), values[:, T:].float(), seen[:, T:].float())
-    return y.transpose(1, 2), new
+    return y.reshape(B, H, nb * Q, D)[:, :, :T].transpose(1, 2), new
 
 
 class _Taps(torch.autograd.Function):
