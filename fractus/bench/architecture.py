@@ -44,6 +44,7 @@ class Variant:
     chunk_len: int = 64
     batch_size: int = 32  # streams; accumulation: STEP_TOKENS / (batch_size · chunk_len)
     sampling: str | None = None  # the trainer's --sampling (None: the model's default)
+    warmup: int | None = None  # the trainer's --warmup in optimizer steps (None: its default)
 
     @property
     def changes_cli(self) -> str:
@@ -58,7 +59,8 @@ class Variant:
                 "--tokens", str(tokens), "--batch-size", str(self.batch_size), "--chunk-len", str(self.chunk_len),
                 "--accum", str(accum), "--seed", str(seed), "--threads", str(threads), "--eval-every", "0",
                 "--ckpt-every", "0", "--sample-tokens", "0", "--no-progress", *(["--set", *sets] if sets else []),
-                *(["--sampling", self.sampling] if self.sampling else [])]
+                *(["--sampling", self.sampling] if self.sampling else []),
+                *(["--warmup", str(self.warmup)] if self.warmup is not None else [])]
 
 
 def _cli(v) -> str:
