@@ -4,7 +4,7 @@ The baseline of the linear-attention literature (RetNet, GLA, DeltaNet, Mamba): 
 causal multi-head softmax attention with rotary positions (RoPE) and a SwiGLU MLP, RMSNorm, no
 biases, a final RMSNorm and a head tied to the embedding; Llama's / GPT-2's initialisation. It
 carries no state: it reads at most ``context`` tokens at a time, and is scored on a split with
-sliding windows (:func:`fractus.train.evaluate`). Its interface is the CTE's (``forward(idx, state,
+sliding windows (:func:`fractus.train.evaluate_text`). Its interface is the CTE's (``forward(idx, state,
 targets, head_positions)`` → (logits, parts, state), ``generate``, ``save``), so the trainer, the
 evaluation and the sampler serve both (``python -m fractus.train --model transformer …``); its loss is
 the same fused tied-head cross-entropy.
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from fractus.kernels.backend import BACKENDS
 from fractus.kernels.cross_entropy import linear_cross_entropy
-from fractus.model import check_token_ids, prompt_tensor, rope_tables, rotate, sample
+from fractus.model import (_finite, _int_min, _one_of, check_fields, check_token_ids, next_token, prompt_tensor,
+                           rope_tables, rotate)
 
 
 @dataclass
@@ -37,17 +38,9 @@ class TransformerConfig:
     backend: str = "auto"  # the cross-entropy kernel's backend
 
     def __post_init__(self):
-        bad = [f"{f.name} must be an integer ≥ {1 - (f.name == 'd_ff')}, got {getattr(self, f.name)!r}"
-               for f in fields(self) if f.type == "int" and not _int_at_least(getattr(self, f.name), f.name != "d_ff")]
-        if not (isinstance(self.rope_base, (int, float)) and not isinstance(self.rope_base, bool)
-                and math.isfinite(self.rope_base) and self.rope_base > 1):
-            bad.append(f"rope_base must be a finite number > 1, got {self.rope_base!r}")
-        if self.backend not in BACKENDS:
-            bad.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not bad and (self.d_model % self.head_dim or self.head_dim % 2):
-            bad.append(f"d_model {self.d_model} must be a multiple of head_dim {self.head_dim}, itself even (RoPE)")
-        if bad:
-            raise ValueError("bad config: " + "; ".join(bad))
+        check_fields(self, _FIELD_CHECKS)
+        if self.d_model % self.head_dim or self.head_dim % 2:
+            raise ValueError(f"d_model {self.d_model} must be a multiple of head_dim {self.head_dim}, itself even (RoPE)")
         if self.d_ff == 0:  # ⌈(8/3·d) / 8⌉ · 8
             self.d_ff = -(-self.d_model // 3) * 8
 
@@ -68,8 +61,11 @@ class TransformerConfig:
         return cls(**d)
 
 
-def _int_at_least(v, lo: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+_FIELD_CHECKS = {  # field → (what it must be, check), as FractusConfig's
+    "vocab_size": _int_min(1), "d_model": _int_min(1), "head_dim": _int_min(1), "n_layers": _int_min(1),
+    "context": _int_min(1), "d_ff": _int_min(0),
+    "rope_base": ("a finite number > 1", lambda v: _finite(v) and v > 1), "backend": _one_of(*BACKENDS),
+}
 
 
 class Attention(nn.Module):
@@ -193,7 +189,7 @@ class Transformer(nn.Module):
         out = []
         for _ in range(max_new_tokens):
             logits = self(ids[-self.cfg.context:].view(1, -1))[0][0, -1]
-            nxt = sample(logits.float(), temperature, top_k, top_p, repetition_penalty, seen, gen)
+            nxt = next_token(logits.float(), temperature, top_k, top_p, repetition_penalty, seen, gen)
             out.append(nxt)
             seen[nxt] = True
             ids = torch.cat([ids, ids.new_tensor([nxt])])

@@ -3,7 +3,7 @@
 Cross-entropy in nats/token, bits per byte and perplexity of the checkpoint's model on a split
 prepared by :mod:`fractus.data`, read as ``--streams`` contiguous streams of ``--chunk-len``-token
 chunks, each starting from an empty attention state that is then carried (the trainer's own
-validation, :func:`fractus.train.evaluate`). ``--csv FILE`` appends the result as a row with its
+validation, :func:`fractus.train.evaluate_text`). ``--csv FILE`` appends the result as a row with its
 provenance (machine, versions, git sha, date); a FILE that is not such a CSV is refused before the
 evaluation, and a non-finite CE is an error that writes nothing.
 """
@@ -22,7 +22,7 @@ from fractus.kernels.backend import BACKENDS
 from fractus.records import append_csv, csv_rows, provenance
 from fractus.registry import load_model
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-from fractus.train import evaluate
+from fractus.train import evaluate_text
 
 COLUMNS = ("checkpoint", "data", "split", "streams", "chunk_len", "tokens", "ce", "bpb", "ppl")
 
@@ -39,7 +39,7 @@ def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "val", 
                               f"{meta['vocab_size']}")
     tokens = load_tokens(data, split, meta)
     token_bytes = token_byte_lengths(get_tokenizer(meta["vocab_size"]))
-    r = evaluate(model, tokens, streams, chunk_len, max_tokens, token_bytes, torch.device(device))
+    r = evaluate_text(model, tokens, streams, chunk_len, max_tokens, token_bytes, torch.device(device))
     if not math.isfinite(r["val_ce"]):
         raise ValueError(f"{ckpt} gives a non-finite CE ({r['val_ce']}) on the {split} split of {data}: "
                          "its weights hold NaN or inf, or its activations overflow")

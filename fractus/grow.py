@@ -171,9 +171,17 @@ def _new_expert_bias(moe, n_old: int, top_k: int) -> torch.Tensor:
 
 
 def _grow_block(new, old, src: FractusConfig, cfg: FractusConfig, c: float) -> None:
+    """Write block ``old`` (of ``src``) into block ``new`` (of ``cfg``), c = √(d'/d) the grown
+    stream's scale: attention, then the clock, then the experts."""
+    _grow_attention(new.attn, old.attn, src, cfg, c)
+    if new.clock is not None:
+        _grow_clock(new.clock, old.clock, src, cfg, c)
+    _grow_experts(new.moe, old.moe, src, cfg, c)
+
+
+def _grow_attention(a, b, src: FractusConfig, cfg: FractusConfig, c: float) -> None:
+    """Old heads keep their q/k/v rows; new heads are silent in the out projection."""
     d, d2 = src.d_model, cfg.d_model
-    # attention: old heads keep their q/k/v rows; new heads are silent in the out projection
-    a, b = new.attn, old.attn
     _norm(a.ln, b.ln, 1 / c, 1.0)
     for p in range(b.qkv.weight.shape[0] // d):  # q, k, v (and the gate): old heads' rows, old columns
         a.qkv.weight[p * d2:p * d2 + d, :d].copy_(b.qkv.weight[p * d:(p + 1) * d])
@@ -181,33 +189,37 @@ def _grow_block(new, old, src: FractusConfig, cfg: FractusConfig, c: float) -> N
     if a.conv is not None:  # per channel of q, k, v: old heads' channels keep their filters
         for p in range(3):
             a.conv.weight[:, p * d2:p * d2 + d].copy_(b.conv.weight[:, p * d:(p + 1) * d])
-    if a.norm is not None:
-        a.norm[:src.n_heads].copy_(b.norm)
+    if a.rms_scale is not None:
+        a.rms_scale[:src.n_heads].copy_(b.rms_scale)
     a.out.weight.copy_(_writer(_padded(b.out.weight, (d, d2)), 0, d2, c))
     a.out.bias.copy_(_writer(b.out.bias, 0, d2, c))
     a.level_logits.copy_(b.level_logits)
     if a.window_logit is not None:
         a.window_logit.copy_(b.window_logit)
-    # Kuramoto clock (the phase router's): m twins per old oscillator
-    if new.clock is not None:
-        k, o = new.clock, old.clock
-        _norm(k.ln, o.ln, 1 / c, 1.0)
-        N, N2, R = src.n_oscillators, cfg.n_oscillators, src.coupling_rank
-        m = N2 // N
-        for t in range(m):
-            rows = slice(t * N, (t + 1) * N)
-            k.encoder.weight[rows, :d].copy_(o.encoder.weight)
-            n_new = torch.arange(t * N, (t + 1) * N, dtype=torch.float64)
-            n_old = torch.arange(N, dtype=torch.float64)
-            shift = 2 * math.pi * (n_old / N - n_new / N2)
-            k.encoder.bias[rows].copy_(o.encoder.bias.double() + shift.to(o.encoder.bias.device))
-            k.omega[rows].copy_(o.omega)
-            k.U[rows, :R].copy_(o.U / math.sqrt(m))
-        k.lam.zero_()
-        k.lam[:R].copy_(o.lam)
-    # experts
-    e, f = new.moe, old.moe
-    E = src.n_experts
+
+
+def _grow_clock(k, o, src: FractusConfig, cfg: FractusConfig, c: float) -> None:
+    """The Kuramoto clock (the phase router's): m twins per old oscillator."""
+    _norm(k.ln, o.ln, 1 / c, 1.0)
+    N, N2, R = src.n_oscillators, cfg.n_oscillators, src.coupling_rank
+    m = N2 // N
+    for t in range(m):
+        rows = slice(t * N, (t + 1) * N)
+        k.encoder.weight[rows, :src.d_model].copy_(o.encoder.weight)
+        n_new = torch.arange(t * N, (t + 1) * N, dtype=torch.float64)
+        n_old = torch.arange(N, dtype=torch.float64)
+        shift = 2 * math.pi * (n_old / N - n_new / N2)
+        k.encoder.bias[rows].copy_(o.encoder.bias.double() + shift.to(o.encoder.bias.device))
+        k.omega[rows].copy_(o.omega)
+        k.U[rows, :R].copy_(o.U / math.sqrt(m))
+    k.lam.zero_()
+    k.lam[:R].copy_(o.lam)
+
+
+def _grow_experts(e, f, src: FractusConfig, cfg: FractusConfig, c: float) -> None:
+    """Old experts keep their function (new hidden units and rank components reach nothing);
+    added experts get phases between the old ones and a gate bias that keeps them unused."""
+    d, d2, E = src.d_model, cfg.d_model, src.n_experts
     _norm(e.ln, f.ln, 1 / c, 1.0)
     if src.router == "phase":
         e.phases[:E].copy_(f.phases)

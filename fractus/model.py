@@ -78,20 +78,11 @@ class FractusConfig:
 
     def __post_init__(self):
         """Check every field (one message per bad field) and normalise numbers to their field's type."""
-        errors = []
-        for name, (rule, check) in _FIELD_CHECKS.items():
-            value = getattr(self, name)
-            if not check(value):
-                errors.append(f"{name} must be {rule}, got {value!r}")
-            elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # 1 → 1.0, numpy ints → int
-                kind = type(getattr(FractusConfig, name))
-                setattr(self, name, kind(value) if kind in (int, float) else float(value))
-        if errors:
-            raise ValueError("bad config: " + "; ".join(errors))
+        check_fields(self, _FIELD_CHECKS)
         if self.attn_decay == "multiscale":
             self.attn_decay = multiscale_decays(self.n_heads, self.n_levels)
         if isinstance(self.attn_decay, (list, tuple)):
-            self.attn_decay = tuple(float(g) for g in self.attn_decay)
+            self.attn_decay = tuple(float(gam) for gam in self.attn_decay)
             if len(self.attn_decay) not in (self.n_heads, self.n_levels * self.n_heads):
                 raise ValueError(f"attn_decay has {len(self.attn_decay)} values: give one per head ({self.n_heads}) "
                                  f"or one per (level, head) ({self.n_levels * self.n_heads}, level-major)")
@@ -113,8 +104,8 @@ class FractusConfig:
     @property
     def decays(self) -> tuple[float, ...]:
         """γ per head [H] (the same at every level) or per (level, head) [Lv·H], level-major."""
-        g = self.attn_decay
-        return tuple(g) if isinstance(g, tuple) else (float(g),) * self.n_heads
+        gam = self.attn_decay
+        return tuple(gam) if isinstance(gam, tuple) else (float(gam),) * self.n_heads
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "FractusConfig":
@@ -145,8 +136,8 @@ def _finite(v, kind=numbers.Real) -> bool:
     return isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _decay(g) -> bool:
-    return _finite(g) and 0 < g <= 1
+def _decay(gam) -> bool:
+    return _finite(gam) and 0 < gam <= 1
 
 
 def _int_min(lo: int):
@@ -160,6 +151,22 @@ _BOOL = "true or false", lambda v: isinstance(v, bool)
 
 def _one_of(*choices: str):
     return f"one of {choices}", lambda v: isinstance(v, str) and v in choices
+
+
+def check_fields(cfg, checks: dict) -> None:
+    """Check each field of the dataclass ``cfg`` named in ``checks`` (field → (what it must be,
+    check)): one ValueError naming every bad field; numbers that pass become their field's type
+    (1 → 1.0, numpy ints → int)."""
+    errors = []
+    for name, (rule, check) in checks.items():
+        value = getattr(cfg, name)
+        if not check(value):
+            errors.append(f"{name} must be {rule}, got {value!r}")
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            kind = type(getattr(type(cfg), name))
+            setattr(cfg, name, kind(value) if kind in (int, float) else float(value))
+    if errors:
+        raise ValueError("bad config: " + "; ".join(errors))
 
 
 _FIELD_CHECKS = {  # field → (what it must be, check)
@@ -377,12 +384,12 @@ class LinearAttention(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, (4 if cfg.attn_gate else 3) * d)  # q, k, v and the gate's W_g, b_g: one matmul
         self.conv = ShortConv(3 * d, cfg.short_conv) if cfg.short_conv else None
-        self.norm = nn.Parameter(torch.ones(H, cfg.d_head)) if cfg.attn_norm == "rms" else None
+        self.rms_scale = nn.Parameter(torch.ones(H, cfg.d_head)) if cfg.attn_norm == "rms" else None
         self.out = nn.Linear(d, d)
         self.level_logits = nn.Parameter(torch.zeros(Lv))
         self.window_logit = nn.Parameter(torch.zeros(1)) if cfg.attn_window else None
-        g = torch.tensor(cfg.decays)
-        self.register_buffer("decay", g.view(Lv, H) if g.numel() == Lv * H else g, persistent=False)
+        gam = torch.tensor(cfg.decays)
+        self.register_buffer("decay", gam.view(Lv, H) if gam.numel() == Lv * H else gam, persistent=False)
         self.omegas = level_omegas(Lv)
 
     def forward(self, h: torch.Tensor, state, resets: torch.Tensor | None = None):
@@ -402,17 +409,17 @@ class LinearAttention(nn.Module):
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
         if self.cfg.qk_norm:
             q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
-        decay = None if all(g == 1 for g in self.cfg.decays) else self.decay  # from the config: no sync
+        decay = None if all(gam == 1 for gam in self.cfg.decays) else self.decay  # from the config: no sync
         logits = self.level_logits if self.window_logit is None else torch.cat([self.level_logits, self.window_logit])
         weights = logits.softmax(0)
         o, new_state = linear_attention(q, k, v, weights[:self.cfg.n_levels], self.omegas,
                                         decay=decay, state=attn_state, eps=self.cfg.eps,
-                                        backend=self.cfg.backend, normalize=self.norm is None, resets=resets)
+                                        backend=self.cfg.backend, normalize=self.rms_scale is None, resets=resets)
         if self.window_logit is not None:
             y, window_state = window_attention(q, k, v, None if state is None else state[-3:], self.cfg.attn_window)
             o = o + weights[-1].to(o.dtype) * y.to(o.dtype)
-        if self.norm is not None:
-            o = F.rms_norm(o, (D,), eps=self.cfg.eps) * self.norm.to(o.dtype)
+        if self.rms_scale is not None:
+            o = F.rms_norm(o, (D,), eps=self.cfg.eps) * self.rms_scale.to(o.dtype)
         o = o.reshape(B, T, d)
         if gate is not None:
             o = o * F.silu(gate)
@@ -499,8 +506,8 @@ class PhaseRoutedMoE(nn.Module):
         """[.., E]: (κ/τ)·cos(ψ − φ_e) + b_e, or m·W_r + b_e for the linear router."""
         if self.cfg.router == "linear":
             return self.router(m) + self.gate_bias
-        g = self.log_kappa.exp() / self.cfg.gate_tau * torch.cos(psi.unsqueeze(-1) - self.phases)
-        return g + self.gate_bias
+        phase = self.log_kappa.exp() / self.cfg.gate_tau * torch.cos(psi.unsqueeze(-1) - self.phases)
+        return phase + self.gate_bias
 
     def forward(self, h: torch.Tensor, psi: torch.Tensor | None):
         """h [B, T, d], ψ [B, T] (None for the linear router) → (update [B, T, d], probs [B, T, E],
@@ -732,7 +739,7 @@ class FractusCTE(nn.Module):
         seen[ids] = True
         out = []
         for _ in range(max_new_tokens):
-            nxt = sample(logits.float(), temperature, top_k, top_p, repetition_penalty, seen, gen)
+            nxt = next_token(logits.float(), temperature, top_k, top_p, repetition_penalty, seen, gen)
             out.append(nxt)
             seen[nxt] = True
             logits, state = self.step(torch.tensor([nxt], device=ids.device), state)
@@ -794,8 +801,8 @@ def prompt_tensor(prompt_ids, max_new_tokens, temperature, top_k, top_p, repetit
     return ids
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-           repetition_penalty: float, seen: torch.Tensor, gen: torch.Generator) -> int:
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+               repetition_penalty: float, seen: torch.Tensor, gen: torch.Generator) -> int:
     """Pick one token id from logits [V]; drawing from non-finite probabilities is a ValueError."""
     if repetition_penalty != 1.0:
         pen = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)

@@ -410,8 +410,8 @@ def train_loop(r: Run, p: Progress, fwd, net, token_bytes: torch.Tensor, stop: S
         bar.update(1)
         bar.set_postfix(ce=f"{last['train_ce']:.3f}", tok_s=f"{last['tok_s']:,.0f}")
         if args.eval_every and p.step % args.eval_every == 0 and p.step < r.total_steps and r.master:
-            last.update(evaluate(r.model, r.val_tokens, r.val_streams, args.chunk_len, args.eval_tokens,
-                                 token_bytes, r.device, r.bf16))
+            last.update(evaluate_text(r.model, r.val_tokens, r.val_streams, args.chunk_len, args.eval_tokens,
+                                      token_bytes, r.device, r.bf16))
             tqdm.write(f"step {p.step}: val CE {last['val_ce']:.4f} nats/token, "
                        f"{last['val_bpb']:.4f} bits/byte, ppl {last['val_ppl']:.1f}")
         if r.master:
@@ -465,7 +465,7 @@ def finish(r: Run, p: Progress, token_bytes: torch.Tensor) -> dict:
     """Rank 0's end of a run that reached its last step: validation on the whole held-out split
     (into metrics.csv's last row), printed beside the split's unigram entropy, then samples."""
     args = r.args
-    final = evaluate(r.model, r.val_tokens, r.val_streams, args.chunk_len, None, token_bytes, r.device, r.bf16)
+    final = evaluate_text(r.model, r.val_tokens, r.val_streams, args.chunk_len, None, token_bytes, r.device, r.bf16)
     record_final(r.metrics_path, p.step, final)
     unigram = r.meta["val"]["unigram_entropy_nats"]
     how = (f"sliding windows of {args.chunk_len} every {args.chunk_len // 2}" if args.model == "transformer"
@@ -474,8 +474,8 @@ def finish(r: Run, p: Progress, token_bytes: torch.Tensor) -> dict:
           f"{final['val_bpb']:.4f} bits/byte, perplexity {final['val_ppl']:.1f}; "
           f"unigram entropy of the split {unigram:.4f} nats/token")
     if args.model == "transformer":  # the CTE's reading of the split, for the record: chunks without context
-        chunks = evaluate(r.model, r.val_tokens, r.val_streams, args.chunk_len, None, token_bytes, r.device,
-                          r.bf16, read="chunks")
+        chunks = evaluate_text(r.model, r.val_tokens, r.val_streams, args.chunk_len, None, token_bytes, r.device,
+                               r.bf16, read="chunks")
         final.update({f"{k}_chunks": v for k, v in chunks.items()})
         print(f"read as {r.val_streams} streams of {args.chunk_len}-token chunks: CE {chunks['val_ce']:.4f} "
               f"nats/token, {chunks['val_bpb']:.4f} bits/byte")
@@ -545,7 +545,7 @@ READS = ("auto", "carried", "chunks", "sliding")
 
 
 @torch.no_grad()
-def evaluate(model, tokens, batch_size: int, chunk_len: int, max_tokens: int | None,
+def evaluate_text(model, tokens, batch_size: int, chunk_len: int, max_tokens: int | None,
              token_bytes: torch.Tensor, device: torch.device, bf16: bool = False, read: str = "auto") -> dict:
     """Held-out CE (nats/token), bits per byte and perplexity over up to ``max_tokens`` targets of
     ``tokens``, read as ``read`` says:

@@ -39,7 +39,7 @@ from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_stat
 from fractus.cli import device_name, natural, non_negative, number, positive_int, run_command, seed_number
 from fractus.grow import grow
 from fractus.kernels.backend import BACKENDS, check_available
-from fractus.model import PRESETS, FractusConfig, FractusCTE, sample
+from fractus.model import PRESETS, FractusConfig, FractusCTE, next_token
 from fractus.records import append_csv, csv_rows, provenance
 from fractus.runs import RunInUse, check_metrics_record, remove_leftover_temps, run_lock, truncate_metrics
 from fractus.tokenizer import get_tokenizer
@@ -158,7 +158,7 @@ class VisionCTE(nn.Module):
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  state=None, stop_at_eot: bool = True) -> list[list[int]]:
         """Read each image (from ``state``: e.g. a text read before it), then write text tick by
-        tick with :func:`fractus.model.sample` (temperature 0: greedy). Returns each image's new
+        tick with :func:`fractus.model.next_token` (temperature 0: greedy). Returns each image's new
         token ids, up to ``max_new_tokens``; with ``stop_at_eot`` a row ends at its first EOT
         (left out)."""
         if max_new_tokens < 0:
@@ -178,7 +178,7 @@ class VisionCTE(nn.Module):
         out = [[] for _ in range(logits.shape[0])]
         done = [False] * len(out)
         for t in range(max_new_tokens):
-            nxt = [sample(row.float(), temperature, top_k, top_p, 1.0, unused, gen) for row in logits]
+            nxt = [next_token(row.float(), temperature, top_k, top_p, 1.0, unused, gen) for row in logits]
             for i, tok in enumerate(nxt):
                 if done[i]:
                     continue
@@ -282,8 +282,8 @@ def label_loss(model: VisionCTE, images: torch.Tensor, labels: torch.Tensor, tex
 
 
 @torch.no_grad()
-def evaluate(model: VisionCTE, images: torch.Tensor, labels: torch.Tensor, text: LabelText,
-             batch_size: int = 512) -> dict:
+def evaluate_images(model: VisionCTE, images: torch.Tensor, labels: torch.Tensor, text: LabelText,
+                    batch_size: int = 512) -> dict:
     """Held-out CE (nats per label token, teacher-forced) and accuracy: each image's greedy
     answer compared as text with its label's word. Returns {val_ce, val_acc, answers}."""
     was = model.training
@@ -401,68 +401,98 @@ def run(args: argparse.Namespace, t_start: float) -> dict:
 
 def train_locked(args: argparse.Namespace, t_start: float, device: torch.device, out: Path) -> dict:
     """:func:`run` once the run directory ``out`` is this process's."""
-    ckpt_path, metrics_path = out / "ckpt.pt", out / "metrics.csv"
+    ckpt_path = out / "ckpt.pt"
     cfg = make_config(args)
     check_available(cfg.backend, device)
     vcfg = VisionConfig(image_size=8, channels=1, patch=args.patch)
     data = load_digits_split()
-    (x_tr, y_tr), (x_va, y_va) = data["train"], data["val"]
     text = LabelText(data["words"], cfg.vocab_size)
-    identity = {"dataset": "sklearn digits", "n_train": len(y_tr), "n_val": len(y_va), "split_seed": SPLIT_SEED}
-    steps_per_epoch = math.ceil(len(y_tr) / args.batch_size)
+    n_train, n_val = len(data["train"][1]), len(data["val"][1])
+    identity = {"dataset": "sklearn digits", "n_train": n_train, "n_val": n_val, "split_seed": SPLIT_SEED}
+    steps_per_epoch = math.ceil(n_train / args.batch_size)
     total = args.epochs * steps_per_epoch
 
     torch.manual_seed(args.seed)
-    if args.grow_from and not args.resume:
-        src = VisionCTE.load(args.grow_from)
-        if src.vcfg != vcfg:
-            raise ValueError(f"--grow-from {args.grow_from} reads {asdict(src.vcfg)}, this run {asdict(vcfg)}")
-        model = grow_vision(src, cfg)
-    else:
-        model = VisionCTE(cfg, vcfg)
-    model = model.to(device)
+    model = _initial_model(args, cfg, vcfg).to(device)
     opt = make_optimizer(model, "adamw", args.lr, args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, total, args.min_lr_ratio))
-    step, elapsed, sums = 0, 0.0, {"ce": 0.0, "lb": 0.0, "n": 0}
+    progress = {"step": 0, "elapsed": 0.0, "sums": {"ce": 0.0, "lb": 0.0, "n": 0}}
     if args.resume:
-        ck = load_checkpoint(ckpt_path)
-        lacking = sorted({"args", "optimizer", "scheduler", "step", "elapsed_s", "epoch_sums", "rng", "data"} - set(ck))
-        if lacking:
-            raise CheckpointError(f"{ckpt_path} holds no vision training state (no {', '.join(lacking)})")
-        diff = {k: (v, settings(vars(args))[k]) for k, v in settings(ck["args"]).items()
-                if v != settings(vars(args))[k]}
-        diff.update({f"data {k}": (v, identity[k]) for k, v in ck["data"].items() if identity.get(k) != v})
-        if diff:
-            raise ValueError(f"--resume with different settings than the checkpoint: {diff}")
-        check_metrics_record(metrics_path, ck["step"], every=steps_per_epoch)
-        load_model_state(model, ck["model"], ckpt_path)
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        step, elapsed, sums = ck["step"], ck["elapsed_s"], dict(ck["epoch_sums"])
-        set_rng_state(ck["rng"])
-        truncate_metrics(metrics_path, step)
-        print(f"resumed from {ckpt_path} at step {step}")
+        progress = _resume(args, out, model, opt, sched, identity, steps_per_epoch)
     elif ckpt_path.exists():
         raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue it, or choose another --out")
-    elif metrics_path.exists():
-        raise FileExistsError(f"{metrics_path} exists (a run that wrote no checkpoint): choose another --out "
-                              f"or remove it")
+    elif (out / "metrics.csv").exists():
+        raise FileExistsError(f"{out / 'metrics.csv'} exists (a run that wrote no checkpoint): choose another "
+                              f"--out or remove it")
     out.mkdir(parents=True, exist_ok=True)
+    print(f"Fractus CTE {args.preset} + patch embedding (p={vcfg.patch}, {vcfg.n_patches} ticks an image): "
+          f"{model.cte.num_params():,} + {sum(p.numel() for p in model.patch.parameters()):,} parameters, "
+          f"vocab {cfg.vocab_size}, {device}")
+    print(f"digits: {n_train} train / {n_val} held-out images; {args.epochs} epochs × {steps_per_epoch} "
+          f"steps of {args.batch_size}, lr {args.lr:g}")
+    last, stopped = _epochs(args, out, model, opt, sched, data, text, identity, progress, steps_per_epoch, device)
+    if stopped:
+        return last
+    if not last:  # no epoch ended in this process (e.g. resumed at the end)
+        ev = evaluate_images(model, *data["val"], text)
+        last = {"step": progress["step"], "epoch": args.epochs, "val_ce": ev["val_ce"], "val_acc": ev["val_acc"]}
+    return _report(args, out, model, vcfg, cfg, last, progress, identity, t_start, device)
+
+
+def _initial_model(args: argparse.Namespace, cfg: FractusConfig, vcfg: VisionConfig) -> VisionCTE:
+    """A fresh model, or ``--grow-from``'s grown into ``cfg`` (same patches)."""
+    if not args.grow_from or args.resume:
+        return VisionCTE(cfg, vcfg)
+    src = VisionCTE.load(args.grow_from)
+    if src.vcfg != vcfg:
+        raise ValueError(f"--grow-from {args.grow_from} reads {asdict(src.vcfg)}, this run {asdict(vcfg)}")
+    return grow_vision(src, cfg)
+
+
+def _resume(args, out: Path, model, opt, sched, identity: dict, steps_per_epoch: int) -> dict:
+    """Load ``out``'s checkpoint into the model, optimizer and schedule after checking that it was
+    written by this run's settings on this data, with a complete metrics record; returns the
+    progress (step, elapsed, epoch sums) and restores the random state."""
+    ckpt_path, metrics_path = out / "ckpt.pt", out / "metrics.csv"
+    ck = load_checkpoint(ckpt_path)
+    lacking = sorted({"args", "optimizer", "scheduler", "step", "elapsed_s", "epoch_sums", "rng", "data"} - set(ck))
+    if lacking:
+        raise CheckpointError(f"{ckpt_path} holds no vision training state (no {', '.join(lacking)})")
+    now = settings(vars(args))
+    diff = {k: (v, now[k]) for k, v in settings(ck["args"]).items() if v != now[k]}
+    diff.update({f"data {k}": (v, identity[k]) for k, v in ck["data"].items() if identity.get(k) != v})
+    if diff:
+        raise ValueError(f"--resume with different settings than the checkpoint: {diff}")
+    check_metrics_record(metrics_path, ck["step"], every=steps_per_epoch)
+    load_model_state(model, ck["model"], ckpt_path)
+    opt.load_state_dict(ck["optimizer"])
+    sched.load_state_dict(ck["scheduler"])
+    set_rng_state(ck["rng"])
+    truncate_metrics(metrics_path, ck["step"])
+    print(f"resumed from {ckpt_path} at step {ck['step']}")
+    return {"step": ck["step"], "elapsed": ck["elapsed_s"], "sums": dict(ck["epoch_sums"])}
+
+
+def _epochs(args, out: Path, model, opt, sched, data: dict, text: LabelText, identity: dict, progress: dict,
+            steps_per_epoch: int, device: torch.device) -> tuple[dict, bool]:
+    """Train to the last epoch from ``progress`` (updated in place): each epoch's held-out reading
+    appended to the metrics record, a checkpoint at each epoch's end and on a stop. Returns (the last
+    epoch's row, whether ``--stop-after`` stopped the run); raises :class:`Interrupted` on a signal."""
+    ckpt_path, metrics_path = out / "ckpt.pt", out / "metrics.csv"
+    (x_tr, y_tr), (x_va, y_va) = data["train"], data["val"]
+    total = args.epochs * steps_per_epoch
+    step, first_step = progress["step"], progress["step"]
 
     def save():
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
             raise NonFiniteLoss(f"the weights became non-finite by step {step}: lower --lr; {ckpt_path} is "
                                 f"left as it was")
         model.save(ckpt_path, optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step,
-                   elapsed_s=elapsed, epoch_sums=sums, rng=rng_state(), args=vars(args), data=identity)
+                   elapsed_s=progress["elapsed"], epoch_sums=progress["sums"], rng=rng_state(), args=vars(args),
+                   data=identity)
 
-    print(f"Fractus CTE {args.preset} + patch embedding (p={vcfg.patch}, {vcfg.n_patches} ticks an image): "
-          f"{model.cte.num_params():,} + {sum(p.numel() for p in model.patch.parameters()):,} parameters, "
-          f"vocab {cfg.vocab_size}, {device}")
-    print(f"digits: {len(y_tr)} train / {len(y_va)} held-out images; {args.epochs} epochs × {steps_per_epoch} "
-          f"steps of {args.batch_size}, lr {args.lr:g}")
     bar = tqdm(total=total, initial=step, disable=args.no_progress, unit="step", dynamic_ncols=True)
-    last, first_step, stopping = {}, step, False
+    last, stopping = {}, False
     with Stop() as stop:
         while step < total and not stopping:
             t0 = time.perf_counter()
@@ -481,19 +511,22 @@ def train_locked(args: argparse.Namespace, t_start: float, device: torch.device,
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
-            sums = {"ce": sums["ce"] + ce * len(idx), "lb": sums["lb"] + lb * len(idx), "n": sums["n"] + len(idx)}
+            sums = progress["sums"]
+            progress["sums"] = {"ce": sums["ce"] + ce * len(idx), "lb": sums["lb"] + lb * len(idx),
+                                "n": sums["n"] + len(idx)}
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, ce=f"{ce:.3f}")
             end_of_epoch = step % steps_per_epoch == 0
             if end_of_epoch:
-                ev = evaluate(model, x_va, y_va, text)
+                ev, sums = evaluate_images(model, x_va, y_va, text), progress["sums"]
                 last = {"step": step, "epoch": step // steps_per_epoch, "images": step // steps_per_epoch * len(y_tr),
                         "lr": sched.get_last_lr()[0], "train_ce": sums["ce"] / sums["n"],
                         "train_lb": sums["lb"] / sums["n"], "val_ce": ev["val_ce"], "val_acc": ev["val_acc"]}
-                sums = {"ce": 0.0, "lb": 0.0, "n": 0}
-            elapsed += time.perf_counter() - t0
+                progress["sums"] = {"ce": 0.0, "lb": 0.0, "n": 0}
+            progress["elapsed"] += time.perf_counter() - t0
+            progress["step"] = step
             if end_of_epoch:
-                last["elapsed_s"] = elapsed
+                last["elapsed_s"] = progress["elapsed"]
                 append_csv(metrics_path, {k: last[k] for k in METRICS}, device)
                 tqdm.write(f"epoch {last['epoch']}: train CE {last['train_ce']:.4f}, held-out CE {last['val_ce']:.4f}, "
                            f"accuracy {last['val_acc']:.4f}")
@@ -502,24 +535,25 @@ def train_locked(args: argparse.Namespace, t_start: float, device: torch.device,
             if end_of_epoch or stopping:
                 save()
         bar.close()
-    if stop.requested:
-        print(f"stopped at step {step} of {total}: checkpoint saved to {ckpt_path}; rerun with --resume")
-        raise Interrupted(stop.signum)
     if stopping:
         print(f"stopped at step {step} of {total}: checkpoint saved to {ckpt_path}; rerun with --resume")
-        return last
-    if not last:
-        ev = evaluate(model, x_va, y_va, text)
-        last = {"step": step, "epoch": args.epochs, "val_ce": ev["val_ce"], "val_acc": ev["val_acc"]}
-    wall = time.perf_counter() - t_start
-    right = round(last["val_acc"] * len(y_va))
-    print(f"held-out accuracy {last['val_acc']:.4f} ({right}/{len(y_va)}), CE {last['val_ce']:.4f} nats/token "
+    if stop.requested:
+        raise Interrupted(stop.signum)
+    return last, stopping
+
+
+def _report(args, out: Path, model, vcfg: VisionConfig, cfg: FractusConfig, last: dict, progress: dict,
+            identity: dict, t_start: float, device: torch.device) -> dict:
+    """Print the held-out result, append it to ``--csv`` if given; the result with its times."""
+    wall, elapsed, n_val = time.perf_counter() - t_start, progress["elapsed"], identity["n_val"]
+    right = round(last["val_acc"] * n_val)
+    print(f"held-out accuracy {last['val_acc']:.4f} ({right}/{n_val}), CE {last['val_ce']:.4f} nats/token "
           f"after {args.epochs} epochs; training {elapsed:.1f} s, this process {wall:.1f} s")
     if args.csv:
         append_csv(args.csv, dict(zip(RESULT_COLUMNS, (
-            str(out), args.seed, args.preset, vcfg.patch, cfg.vocab_size, args.epochs, step, args.batch_size,
-            args.lr, sum(p.numel() for p in model.parameters()), len(y_tr), len(y_va), last["val_acc"],
-            last["val_ce"], round(elapsed, 2), round(wall, 2), torch.get_num_threads(),
+            str(out), args.seed, args.preset, vcfg.patch, cfg.vocab_size, args.epochs, progress["step"],
+            args.batch_size, args.lr, sum(p.numel() for p in model.parameters()), identity["n_train"], n_val,
+            last["val_acc"], last["val_ce"], round(elapsed, 2), round(wall, 2), torch.get_num_threads(),
             weights_fingerprint(model.state_dict())))), device)
     return {**last, "train_s": elapsed, "wall_s": wall}
 
@@ -529,7 +563,7 @@ def evaluate_checkpoint(ckpt: str | Path, device: str = "cpu", backend: str = "a
     model = VisionCTE.load(ckpt, backend=backend).to(device)
     data = load_digits_split()
     x, y = data["val"]
-    return evaluate(model, x, y, LabelText(data["words"], model.cfg.vocab_size))
+    return evaluate_images(model, x, y, LabelText(data["words"], model.cfg.vocab_size))
 
 
 def main(argv=None) -> None:

@@ -131,7 +131,7 @@ def test_sliding_windows_score_every_target_once_with_context():
     """The sliding reading scores each target of the split exactly once; each scored target outside
     the first window sees at least context/2 tokens; its CE equals the per-target CE of a forward
     over exactly that window."""
-    from fractus.train import _windows, evaluate
+    from fractus.train import _windows, evaluate_text
     torch.manual_seed(0)
     tokens = torch.randint(0, 50, (203,)).numpy()
     context, stride = 16, 8
@@ -145,17 +145,17 @@ def test_sliding_windows_score_every_target_once_with_context():
     assert sorted(seen) == list(range(len(tokens) - 1))
     model = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=1, context=context)).eval()
     tb = torch.ones(50, dtype=torch.long)
-    r = evaluate(model, tokens, 3, context, None, tb, torch.device("cpu"), read="sliding")
+    r = evaluate_text(model, tokens, 3, context, None, tb, torch.device("cpu"), read="sliding")
     total = 0.0
     with torch.no_grad():
         for x, y in _windows(tokens, context, stride, 1, None):
             logits = model(x)[0]
             total += float(torch.nn.functional.cross_entropy(logits[0], y[0], ignore_index=-100, reduction="sum"))
     assert r["val_tokens"] == len(tokens) - 1 and abs(r["val_ce"] - total / (len(tokens) - 1)) < 1e-5
-    chunks = evaluate(model, tokens, 3, context, None, tb, torch.device("cpu"), read="chunks")
+    chunks = evaluate_text(model, tokens, 3, context, None, tb, torch.device("cpu"), read="chunks")
     assert chunks["val_tokens"] == 3 * context * ((len(tokens) - 1) // 3 // context)
     with pytest.raises(ValueError, match="read must be one of"):
-        evaluate(model, tokens, 3, context, None, tb, torch.device("cpu"), read="windows")
+        evaluate_text(model, tokens, 3, context, None, tb, torch.device("cpu"), read="windows")
 
 
 def np_where_equal(tokens, row) -> int:

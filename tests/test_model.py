@@ -339,27 +339,27 @@ def test_every_parameter_gets_a_gradient(router):
 def test_sampling_filters():
     """top-k, top-p and the repetition penalty each change which tokens can be drawn; non-finite
     probabilities are refused (greedy still takes the largest logit)."""
-    from fractus.model import sample
+    from fractus.model import next_token
     logits = torch.tensor([3.0, 2.9, 2.8, -1.0, 0.5])
     none = torch.zeros(5, dtype=torch.bool)
 
     def draws(logits=logits, **kw):
         kw = {"temperature": 1.0, "top_k": None, "top_p": None, "repetition_penalty": 1.0, "seen": none, **kw}
         gen = torch.Generator().manual_seed(0)
-        return {sample(logits, gen=gen, **kw) for _ in range(300)}
+        return {next_token(logits, gen=gen, **kw) for _ in range(300)}
     assert draws() == {0, 1, 2, 3, 4}
     assert draws(top_k=2) == {0, 1}
     assert draws(top_p=0.5) == {0, 1}  # p ≈ (0.36, 0.33, 0.30, …): the smallest prefix reaching 0.5
     assert draws(top_k=1, temperature=5.0) == {0}
     seen = torch.tensor([True, False, False, True, False])
     assert draws(top_k=1, repetition_penalty=2.0, seen=seen) == {1}  # 3.0 / 2 < 2.9
-    assert sample(logits, 0.0, None, None, 100.0, seen, torch.Generator()) == 1  # greedy, penalised
-    assert sample(torch.tensor([-1.0, -1.5]), 0.0, None, None, 2.0, torch.tensor([True, False]),
-                  torch.Generator()) == 1  # a negative logit is multiplied: -2.0 < -1.5
+    assert next_token(logits, 0.0, None, None, 100.0, seen, torch.Generator()) == 1  # greedy, penalised
+    assert next_token(torch.tensor([-1.0, -1.5]), 0.0, None, None, 2.0, torch.tensor([True, False]),
+                      torch.Generator()) == 1  # a negative logit is multiplied: -2.0 < -1.5
     for bad in (float("inf"), float("nan")):  # overflowed activations: a clear error, not torch's
         with pytest.raises(ValueError, match="not finite"):
             draws(logits=torch.tensor([0.0, bad, 1.0]))
-    assert sample(torch.tensor([0.0, float("inf"), 1.0]), 0.0, None, None, 1.0, none, torch.Generator()) == 1
+    assert next_token(torch.tensor([0.0, float("inf"), 1.0]), 0.0, None, None, 1.0, none, torch.Generator()) == 1
 
 
 def test_generate_is_seeded_and_decodes_tick_by_tick():

@@ -757,7 +757,7 @@ def test_interrupt_outside_the_training_loop(data, tmp_path, monkeypatch, capsys
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
     out = tmp_path / "run"
-    monkeypatch.setattr(train_mod, "evaluate", interrupted)
+    monkeypatch.setattr(train_mod, "evaluate_text", interrupted)
     with pytest.raises(SystemExit) as e:
         main(cli(data, out, "--eval-every", "0", tokens=3 * 32))
     assert e.value.code == 130 and "interrupted; --resume continues" in capsys.readouterr().err

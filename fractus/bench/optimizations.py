@@ -37,7 +37,7 @@ from fractus.data import TokenStreams, load_meta, load_tokens, prepare
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.records import REPO
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-from fractus.train import evaluate, lr_lambda, make_optimizer, micro_steps, set_active_blocks
+from fractus.train import evaluate_text, lr_lambda, make_optimizer, micro_steps, set_active_blocks
 
 TABLE_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}  # the rates the optimization table is measured at
 REFERENCE_TOKENS_PER_STEP = 2048  # the trainer's defaults: 8 streams × 32 positions × accumulation 8
@@ -398,8 +398,8 @@ def short_train(setup: Setup, tokens: int, eval_tokens: int, *, seed: int = 0,
         opt.zero_grad(set_to_none=True)
         sched.step()
     model.requires_grad_(True)
-    val = evaluate(model, load_tokens(data, "val", meta), eval_batch, eval_chunk, eval_tokens,
-                   token_byte_lengths(get_tokenizer(cfg.vocab_size)), device)
+    val = evaluate_text(model, load_tokens(data, "val", meta), eval_batch, eval_chunk, eval_tokens,
+                        token_byte_lengths(get_tokenizer(cfg.vocab_size)), device)
     return {**val, "train_ce": ce, "steps": steps, "tokens": steps * setup.tokens_per_step(),
             "seconds": time.perf_counter() - t0}
 

@@ -16,7 +16,7 @@ from fractus.merge import distance_to_mean, merge
 from fractus.model import FractusCTE
 from fractus.sample import ORIGINAL_PROMPTS as PROMPTS
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-from fractus.train import evaluate
+from fractus.train import evaluate_text
 
 # Decoding strategies compared by the repetition probe: name → model.generate keyword arguments.
 STRATEGIES = {
@@ -156,7 +156,7 @@ def merge_probe(setup: Setup, tokens_per_half: int, eval_tokens: int, seed: int 
     for name, m, seen in (("initialisation", init, 0), ("half A", runs["half A"], tokens_per_half),
                           ("half B", runs["half B"], tokens_per_half),
                           ("mean-merge of A and B", merged, 2 * tokens_per_half)):
-        r = evaluate(m, val, 8, 32, eval_tokens, tb, torch.device("cpu"))
+        r = evaluate_text(m, val, 8, 32, eval_tokens, tb, torch.device("cpu"))
         rows.append({"model": name, "val_ce": r["val_ce"], "val_bpb": r["val_bpb"],
                      "relative_distance_to_merge": distance_to_mean(m.state_dict(), msd), "tokens_seen": seen})
     return {"rows": rows, "merge_vs_mean": gap, "unigram_entropy": meta["val"]["unigram_entropy_nats"]}

@@ -97,8 +97,7 @@ _CHUNK_ELEMS = 1 << 24  # logits elements per chunk (64 MiB fp32)
 
 def _chunk_rows(V: int) -> int:
     """Token rows per chunk: about _CHUNK_ELEMS logits, 16 to 1024 rows. Big chunks make big
-    matmuls: in palier0 training on a 2-core CPU one chunk per micro-step (256 rows) beats
-    chunks of 64 and 128 rows by 5–20 % at V = 8192 and 50257."""
+    matmuls, which run at a higher rate than several small ones."""
     return max(16, min(1024, _CHUNK_ELEMS // V))
 
 
@@ -177,10 +176,10 @@ class _ChunkedLCE(torch.autograd.Function):
             raise RuntimeError("linear_cross_entropy's CPU path computes its gradients in the forward and "
                                "hands them over once: backward through it twice (retain_graph) is not supported")
         (dH, dW), ctx.grads = ctx.grads, None
-        g = float(g_loss)
-        if g != 1.0:
-            dH = dH.mul_(g) if dH is not None else None
-            dW = dW.mul_(g) if dW is not None else None
+        scale = float(g_loss)
+        if scale != 1.0:
+            dH = dH.mul_(scale) if dH is not None else None
+            dW = dW.mul_(scale) if dW is not None else None
         return dH, dW, None, None, None, None, None, None, None
 
 
@@ -285,7 +284,7 @@ def _lce_bwd_dh_kernel(H, W, T, POS, LSE, G, DH_P, M, V, D, stride_h, stride_w, 
     mmask, rows, tgt = _token_rows(POS, T, offs_m, M, ignore_index, HAS_POS)
     valid = tgt != ignore_index
     lse = tl.load(LSE + offs_m, mask=mmask, other=0.0)
-    g = tl.load(G)
+    scale = tl.load(G)
     pid_s, start, end = _vocab_split(V, BLOCK_V)
     out = DH_P + (pid_s.to(tl.int64) * M + offs_m.to(tl.int64))[:, None] * D
     for j in range(start, end):
@@ -300,7 +299,7 @@ def _lce_bwd_dh_kernel(H, W, T, POS, LSE, G, DH_P, M, V, D, stride_h, stride_w, 
             offs_d = d0 + tl.arange(0, BLOCK_D)
             dmask = offs_d < D
             wt = tl.load(W + wrow + offs_d[None, :], mask=vmask[:, None] & dmask[None, :], other=0.0)
-            part = tl.dot(dl, wt, input_precision=DOT_PREC) * g
+            part = tl.dot(dl, wt, input_precision=DOT_PREC) * scale
             ptr = out + offs_d[None, :]
             omask = mmask[:, None] & dmask[None, :]
             prev = tl.load(ptr, mask=omask & (offs_d[None, :] < seen), other=0.0)
@@ -319,7 +318,7 @@ def _lce_bwd_dw_kernel(H, W, T, POS, LSE, G, DW, V0, M, V, D, stride_h, stride_w
     pid_v = tl.program_id(0)
     offs_v = V0 + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = offs_v < V
-    g = tl.load(G)
+    scale = tl.load(G)
     out = DW + (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)[:, None] * D
     for m0 in range(0, M, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -335,7 +334,7 @@ def _lce_bwd_dw_kernel(H, W, T, POS, LSE, G, DW, V0, M, V, D, stride_h, stride_w
             dmask = offs_d < D
             x = tl.load(H + rows[:, None] * stride_h + offs_d[None, :],
                         mask=mmask[:, None] & dmask[None, :], other=0.0)
-            part = tl.dot(dlt, x, input_precision=DOT_PREC) * g
+            part = tl.dot(dlt, x, input_precision=DOT_PREC) * scale
             ptr = out + offs_d[None, :]
             omask = vmask[:, None] & dmask[None, :]
             prev = tl.load(ptr, mask=omask & (offs_d[None, :] < seen), other=0.0)

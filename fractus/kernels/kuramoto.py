@@ -225,9 +225,9 @@ def _kuramoto_bwd_kernel(THETAS, XY, G_PSI, OMEGA, K_ptr, DTHETA0, DOMEGA_P, DK_
     theta = tl.load(THETAS + STEPS * MN + offs, mask=mask, other=0.0)
     X = tl.load(XY + rows, mask=rows < M, other=1.0)
     Y = tl.load(XY + M + rows, mask=rows < M, other=0.0)
-    g = tl.load(G_PSI + rows, mask=rows < M, other=0.0).to(tl.float32)
+    dpsi = tl.load(G_PSI + rows, mask=rows < M, other=0.0).to(tl.float32)
     # ψ = atan2(Y, X): ∂ψ/∂θ_i = (X cos θ_i + Y sin θ_i) / (X² + Y²); the wrap's derivative is 1
-    a = (X[:, None] * tl.cos(theta) + Y[:, None] * tl.sin(theta)) * (g / (X * X + Y * Y))[:, None]
+    a = (X[:, None] * tl.cos(theta) + Y[:, None] * tl.sin(theta)) * (dpsi / (X * X + Y * Y))[:, None]
     a = tl.where(mask, a, 0.0)
     G = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
     g_omega = tl.zeros([BLOCK_N], dtype=tl.float32)

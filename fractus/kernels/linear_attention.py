@@ -77,7 +77,7 @@ def linear_attention_reference(q, k, v, level_weights, omegas, decay=None, state
     dt = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
     w = level_weights.to(dt)
-    g = _level_decays(decay, Lv, H, dt, q.device)
+    gam = _level_decays(decay, Lv, H, dt, q.device)
     if state is None:
         S = torch.zeros(B, Lv, H, D, D, dtype=dt, device=q.device)
         z = torch.zeros(B, Lv, H, D, dtype=dt, device=q.device)
@@ -90,8 +90,8 @@ def linear_attention_reference(q, k, v, level_weights, omegas, decay=None, state
         if resets is not None:
             keep = (~resets[:, t]).to(dt)
             S, z = S * keep.view(B, 1, 1, 1, 1), z * keep.view(B, 1, 1, 1)
-        S = g.view(1, Lv, H, 1, 1) * S + fk[..., :, None] * vf[:, t, None, :, None, :]
-        z = g.view(1, Lv, H, 1) * z + fk
+        S = gam.view(1, Lv, H, 1, 1) * S + fk[..., :, None] * vf[:, t, None, :, None, :]
+        z = gam.view(1, Lv, H, 1) * z + fk
         num = torch.einsum("blhd,blhde->blhe", fq, S)
         y = num / ((fq * z).sum(-1, keepdim=True) + eps) if normalize else num
         outs.append(torch.einsum("l,blhe->bhe", w, y))
@@ -196,23 +196,23 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps, n
 # Folded head index n = (b·Lv + l)·H + h. Chunk-state buffers: [B, Lv, H, NC, D, D] / [.., D] fp32.
 # ----------------------------------------------------------------------------------------------
 # Dot operands are the input dtype DT, but SDT = fp32 for fp16 inputs (tf32 on the GPU) in the dots
-# that meet the state S, its gradient dS, g = dO·w/den or dA: S and den grow with the tokens seen
-# (γ = 1) past fp16's 65504, and g, dA and dS (sums of g) shrink below its smallest normal, 6e-5.
+# that meet the state S, its gradient dS, dnum = dO·w/den or dA: S and den grow with the tokens seen
+# (γ = 1) past fp16's 65504, and dnum, dA and dS (sums of dnum) shrink below its smallest normal, 6e-5.
 # bf16 has fp32's range and keeps DT.
-# The products with the carried state itself, f(q)·S_c (the output) and g·S_cᵀ (dq), need more:
-# with γ = 1, S ≈ z·v̄ᵀ grows with the N tokens seen, while dq = (S·g − (g·y)·z) is the size of v's
+# The products with the carried state itself, f(q)·S_c (the output) and dnum·S_cᵀ (dq), need more:
+# with γ = 1, S ≈ z·v̄ᵀ grows with the N tokens seen, while dq = (S·dnum − (dnum·y)·z) is the size of v's
 # spread σ around its mean v̄: its two terms cancel. S rounded to bf16 (or tf32) costs dq a relative
-# error of about 2⁻⁹·√N·|v̄|/σ (0.56–0.86 at N = 8192, v̄ = σ, three seeds, on the PyTorch path under
-# bf16 autocast with this product in bf16). So in low precision (SDROP > 0) S is split into
-# two dot operands, hi = S rounded and lo = S − hi (together S to ~2⁻¹⁷), and the other operand is
-# rounded once (:func:`_round_mantissa`) and used as rounded in both cancelling terms: f(q) in the
-# numerator and the denominator, g in g·Sᵀ and in gz = −g·y (and in the reverse recurrence's dS and
-# dz); dq is then the derivative at that rounded g. (Plain fp32 operands at "tf32x3" would do too,
-# but spill 300 B of registers in bf16.) Every other fp32 operand of a tf32 dot is rounded to
-# nearest too (:func:`_operand`), as Hopper's tensor cores truncate it. Likewise z sums f(k) as
-# rounded for S's dot, and the denominator sums the intra-chunk A as rounded for the numerator's
-# (the ones column beside v of the PyTorch path does both by construction): unrounded sums make fp16
-# dq's error 8x the reference's over one call of 2,048 tokens.
+# error that grows as 2⁻⁹·√N·|v̄|/σ, of order one by N = 8192 tokens when v̄ = σ. So in low
+# precision (SDROP > 0) S is split into two dot operands, hi = S rounded and lo = S − hi (together S
+# to ~2⁻¹⁷), and the other operand is rounded once (:func:`_round_mantissa`) and used as rounded in
+# both cancelling terms: f(q) in the numerator and the denominator, dnum in dnum·Sᵀ and in
+# dden = −dnum·y (and in the reverse recurrence's dS and dz); dq is then the derivative at that
+# rounded dnum. (Plain fp32 operands at "tf32x3" would do too, but spill 300 B of registers in
+# bf16.) Every other fp32 operand of a tf32 dot is rounded to nearest too (:func:`_operand`), as
+# Hopper's tensor cores truncate it. Likewise z sums f(k) as rounded for S's dot, and the
+# denominator sums the intra-chunk A as rounded for the numerator's (the ones column beside v of the
+# PyTorch path does both by construction): unrounded sums make fp16 dq's error 8x the reference's
+# over one call of 2,048 tokens.
 
 _DECODE_MAX_T = 16
 
@@ -335,7 +335,7 @@ def _decay_mask(lg, rt):
 
 @triton.autotune(configs=_configs(), key=["BT", "BD"])
 @triton.jit
-def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_ptr, sf_ptr, zf_ptr,
+def _la_states_kernel(k_ptr, v_ptr, om_ptr, decay_ptr, s0_ptr, z0_ptr, hs_ptr, zs_ptr, sf_ptr, zf_ptr,
                       T, H, D, NC, LV: tl.constexpr,
                       HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
                       BT: tl.constexpr, BD: tl.constexpr):
@@ -347,7 +347,7 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_pt
     l = (n // H) % LV
     b = n // (H * LV)
     om = tl.load(om_ptr + l)
-    lg = tl.log(tl.load(g_ptr + l * H + h))
+    lg = tl.log(tl.load(decay_ptr + l * H + h))
     rt = tl.arange(0, BT)
     rd, dmask, smask, soff = _state_index(D, BD)
     S, z = _load_state(s0_ptr, z0_ptr, n, D, BD, HAS_INIT)
@@ -363,16 +363,16 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, hs_ptr, zs_pt
         vx = tl.load(v_ptr + off, mask=m2, other=0.0)
         L = tl.minimum(T - c * BT, BT)
         fk = (fk * tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32))[:, None]).to(DT)
-        gL = tl.exp(lg * L.to(tl.float32))
-        S = S * gL + tl.dot(tl.trans(fk), vx, input_precision=PREC)
-        z = z * gL + tl.sum(fk.to(tl.float32), 0)
+        gamL = tl.exp(lg * L.to(tl.float32))
+        S = S * gamL + tl.dot(tl.trans(fk), vx, input_precision=PREC)
+        z = z * gamL + tl.sum(fk.to(tl.float32), 0)
     if STORE_FINAL:
         tl.store(sf_ptr + n * D * D + soff, S, mask=smask)
         tl.store(zf_ptr + n * D + rd, z, mask=dmask)
 
 
 @triton.jit
-def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_ptr, y_ptr, den_ptr,
+def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, decay_ptr, hs_ptr, zs_ptr, o_ptr, y_ptr, den_ptr,
                    B, T, H, D, NC, eps, LV: tl.constexpr, NORM: tl.constexpr,
                    STORE_Y: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr, BT: tl.constexpr,
                    BD: tl.constexpr):
@@ -387,7 +387,7 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
     qx, kx, vx = _load_qkv(q_ptr, k_ptr, v_ptr, off, m2)
     o = tl.zeros([BT, BD], dtype=tl.float32)
     for l in tl.static_range(LV):
-        lg = tl.log(tl.load(g_ptr + l * H + h))
+        lg = tl.log(tl.load(decay_ptr + l * H + h))
         gq = tl.exp(lg * (rt + 1).to(tl.float32))
         M = _decay_mask(lg, rt)
         om, fq, fk = _level_features(qx, kx, om_ptr, l, m2)
@@ -417,10 +417,10 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, hs_ptr, zs_ptr, o_
 
 @triton.jit
 def _out_grads(do, y, den_ptr, n, T, t, tmask, wl, eps, NORM: tl.constexpr):
-    """dy = w_l·dO split into the numerator grad g [BT, BD] and the denominator grad gz [BT]
+    """dy = w_l·dO split into the numerator grad dnum [BT, BD] and the denominator grad dden [BT]
     (0 without the denominator)."""
     if NORM:
-        den = tl.load(den_ptr + n * T + t, mask=tmask, other=1.0)  # padding rows: g = 0, not 0/0
+        den = tl.load(den_ptr + n * T + t, mask=tmask, other=1.0)  # padding rows: dnum = 0, not 0/0
         inv = wl / (den + eps)
         return do * inv[:, None], -tl.sum(do * y, 1) * inv
     return do * wl, tl.zeros_like(tl.sum(do, 1))
@@ -428,13 +428,13 @@ def _out_grads(do, y, den_ptr, n, T, t, tmask, wl, eps, NORM: tl.constexpr):
 
 @triton.autotune(configs=_configs(), key=["BT", "BD"])
 @triton.jit
-def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, dsf_ptr, dzf_ptr,
+def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, decay_ptr, dsf_ptr, dzf_ptr,
                           dhs_ptr, dzs_ptr, ds0_ptr, dz0_ptr, B, T, H, D, NC, eps,
                           LV: tl.constexpr, NORM: tl.constexpr, HAS_DFINAL: tl.constexpr,
                           STORE_DINIT: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr,
                           BT: tl.constexpr, BD: tl.constexpr):
     """Reverse recurrence for one folded head: stores the grad of each chunk's end state, then
-    dS ← γ^L·dS + (γ^{i+1} f(q))ᵀ g, dz ← γ^L·dz + (γ^{i+1} f(q))ᵀ gz; optional initial-state grad.
+    dS ← γ^L·dS + (γ^{i+1} f(q))ᵀ dnum, dz ← γ^L·dz + (γ^{i+1} f(q))ᵀ dden; optional initial-state grad.
     dz sums the dot operands' rounded values (see the note on the state dots)."""
     SDT = tl.float32 if q_ptr.dtype.element_ty == tl.float16 else q_ptr.dtype.element_ty
     n = tl.program_id(0).to(tl.int64)
@@ -443,7 +443,7 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
     b = n // (H * LV)
     om = tl.load(om_ptr + l)
     wl = tl.load(w_ptr + l).to(tl.float32)
-    lg = tl.log(tl.load(g_ptr + l * H + h))
+    lg = tl.log(tl.load(decay_ptr + l * H + h))
     rt = tl.arange(0, BT)
     rd, dmask, smask, soff = _state_index(D, BD)
     dS, dz = _load_state(dsf_ptr, dzf_ptr, n, D, BD, HAS_DFINAL)
@@ -461,20 +461,20 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr, d
         qd = _feature(tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32), om, m2) * gq[:, None]
         do = tl.load(do_ptr + off, mask=m2, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + l * B * T * H * D + off, mask=m2, other=0.0)
-        g, gz = _out_grads(do, y, den_ptr, n, T, t, tmask, wl, eps, NORM)
-        qd, g = _operand(qd, SDT, SDROP), _operand(g, SDT, SDROP)
+        dnum, dden = _out_grads(do, y, den_ptr, n, T, t, tmask, wl, eps, NORM)
+        qd, dnum = _operand(qd, SDT, SDROP), _operand(dnum, SDT, SDROP)
         if SDROP > 0 and NORM:
-            gz = -tl.sum(g.to(tl.float32) * y, 1)
-        gL = tl.exp(lg * tl.minimum(T - c * BT, BT).to(tl.float32))
-        dS = dS * gL + tl.dot(tl.trans(qd), g, input_precision=PREC)
-        dz = dz * gL + tl.sum(qd.to(tl.float32) * gz[:, None], 0)
+            dden = -tl.sum(dnum.to(tl.float32) * y, 1)
+        gamL = tl.exp(lg * tl.minimum(T - c * BT, BT).to(tl.float32))
+        dS = dS * gamL + tl.dot(tl.trans(qd), dnum, input_precision=PREC)
+        dz = dz * gamL + tl.sum(qd.to(tl.float32) * dden[:, None], 0)
     if STORE_DINIT:
         tl.store(ds0_ptr + n * D * D + soff, dS, mask=smask)
         tl.store(dz0_ptr + n * D + rd, dz, mask=dmask)
 
 
 @triton.jit
-def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, g_ptr,
+def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, decay_ptr,
                          hs_ptr, zs_ptr, dhs_ptr, dzs_ptr, dq_ptr, dk_ptr, dv_ptr, dwp_ptr,
                          B, T, H, D, NC, eps, LV: tl.constexpr, NORM: tl.constexpr,
                          PREC: tl.constexpr, SDROP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
@@ -494,7 +494,7 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
     # a loop, not unrolled and not pipelined: unrolled, the levels' tiles overlap and spill
     # 72–76 B of registers in bf16 on sm_90; looped, 28–48 B (python -m fractus.bench aot)
     for l in tl.range(LV, num_stages=1):
-        lg = tl.log(tl.load(g_ptr + l * H + h))
+        lg = tl.log(tl.load(decay_ptr + l * H + h))
         gq = tl.exp(lg * (rt + 1).to(tl.float32))
         gk = tl.where(rt < L, tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32)), 0.0)
         M = _decay_mask(lg, rt)
@@ -503,24 +503,24 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
         hoff = n * NC + c
         y = tl.load(y_ptr + (l * B + b) * T * H * D + row, mask=m2, other=0.0)
         tl.store(dwp_ptr + (bh * NC + c) * LV + l, tl.sum(tl.sum(do * y, 1), 0))
-        g, gz = _out_grads(do, y, den_ptr, n, T, t, tmask, tl.load(w_ptr + l).to(tl.float32), eps, NORM)
-        if SDROP > 0 and NORM:  # g as the state dot sees it, and gz = −g·y from the same values
-            g = _round_mantissa(g, SDROP)
-            gz = -tl.sum(g * y, 1)
+        dnum, dden = _out_grads(do, y, den_ptr, n, T, t, tmask, tl.load(w_ptr + l).to(tl.float32), eps, NORM)
+        if SDROP > 0 and NORM:  # dnum as the state dot sees it, and dden = −dnum·y from the same values
+            dnum = _round_mantissa(dnum, SDROP)
+            dden = -tl.sum(dnum * y, 1)
         S = tl.load(hs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
         z = tl.load(zs_ptr + hoff * D + rd, mask=dmask, other=0.0)
         dS = tl.load(dhs_ptr + hoff * D * D + soff, mask=smask, other=0.0)
         dz = tl.load(dzs_ptr + hoff * D + rd, mask=dmask, other=0.0)
-        gd, vs = g.to(SDT), vx.to(SDT)
+        dnum_s, vs = dnum.to(SDT), vx.to(SDT)
         fqs, fks, dSs = _operand(fq, SDT, SDROP), _operand(fk, SDT, SDROP), _operand(dS, SDT, SDROP)
-        dA = _operand((tl.dot(gd, tl.trans(vs), input_precision=PREC) + gz[:, None]) * M, SDT, SDROP)
+        dA = _operand((tl.dot(dnum_s, tl.trans(vs), input_precision=PREC) + dden[:, None]) * M, SDT, SDROP)
         A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
-        dqf = _state_dot(g, tl.trans(S), SDT, PREC, SDROP) + gz[:, None] * z[None, :]
+        dqf = _state_dot(dnum, tl.trans(S), SDT, PREC, SDROP) + dden[:, None] * z[None, :]
         dqf = dqf * gq[:, None] + tl.dot(dA, fks, input_precision=PREC)
         dkf = tl.dot(vs, tl.trans(dSs), input_precision=PREC) + dz[None, :]
         dkf = dkf * gk[:, None] + tl.dot(tl.trans(dA), fqs, input_precision=PREC)
         dvf = tl.dot(fks, dSs, input_precision=PREC) * gk[:, None]
-        dvf += tl.dot(tl.trans(_operand(A, SDT, SDROP)), gd, input_precision=PREC)
+        dvf += tl.dot(tl.trans(_operand(A, SDT, SDROP)), dnum_s, input_precision=PREC)
         # d f / d x = 1 where x + ω > 0, else exp(x + ω) = f (and 0 on padding, where f = 0)
         dq += dqf * tl.where(qx + om > 0, 1.0, fq)
         dk += dkf * tl.where(kx + om > 0, 1.0, fk)
@@ -531,7 +531,7 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
 
 
 @triton.jit
-def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr, o_ptr, sf_ptr,
+def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, decay_ptr, s0_ptr, z0_ptr, o_ptr, sf_ptr,
                       zf_ptr, T, H, D, eps, LV: tl.constexpr, NORM: tl.constexpr,
                       HAS_INIT: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr):
     """One (b, h), all levels, T ≤ TB positions one by one with the state in registers (fp32):
@@ -546,7 +546,7 @@ def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, g_ptr, s0_ptr, z0_ptr,
     for l in tl.static_range(LV):
         om = tl.load(om_ptr + l)
         wl = tl.load(w_ptr + l).to(tl.float32)
-        gam = tl.load(g_ptr + l * H + h)
+        gam = tl.load(decay_ptr + l * H + h)
         n = (b * LV + l) * H + h
         S, z = _load_state(s0_ptr, z0_ptr, n, D, BD, HAS_INIT)
         for t in range(T):
@@ -596,7 +596,7 @@ def _const(values, device):
     return t
 
 
-def _states(k, v, om, g, S0, z0, store_final, BT):
+def _states(k, v, om, gam, S0, z0, store_final, BT):
     """Chunk-start states ([B, Lv, H, NC, D, D], [.., D]) for chunks of BT and, if asked, the final (S, z)."""
     B, T, H, D = k.shape
     Lv = om.numel()
@@ -608,42 +608,42 @@ def _states(k, v, om, g, S0, z0, store_final, BT):
     sf = _backend.empty(B, Lv, H, D, D, dtype=torch.float32, device=dev) if store_final else hs
     zf = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=dev) if store_final else zs
     _la_states_kernel[(B * Lv * H,)](
-        k, v, om, g, S0 if S0 is not None else hs,
+        k, v, om, gam, S0 if S0 is not None else hs,
         z0 if z0 is not None else zs, hs, zs, sf, zf, T, H, D, NC, LV=Lv,
         HAS_INIT=S0 is not None, STORE_FINAL=store_final, PREC=_backend.dot_precision(v), BT=BT, BD=BD)
     return hs, zs, sf, zf
 
 
 class _TritonLinearAttention(torch.autograd.Function):
-    """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay g [Lv, H], eps,
-    norm: divide by the denominator, need: a backward will follow) -> (o [B, T, H, D],
+    """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay gam [Lv, H], eps,
+    normalize: divide by the denominator, need: a backward will follow) -> (o [B, T, H, D],
     S [B, Lv, H, D, D], z [B, Lv, H, D])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, S0, z0, om, g, eps, norm, need):
+    def forward(ctx, q, k, v, w, S0, z0, om, gam, eps, normalize, need):
         B, T, H, D = q.shape
         Lv = om.numel()
         BT, BD = _chunk_len(T, _FWD_CHUNK), _block_d(D)
-        hs, zs, sf, zf = _states(k, v, om, g, S0, z0, True, BT)
+        hs, zs, sf, zf = _states(k, v, om, gam, S0, z0, True, BT)
         NC = triton.cdiv(T, BT)
         o = _backend.empty(B, T, H, D, dtype=q.dtype, device=q.device)
         y = _backend.empty(Lv, B, T, H, D, dtype=torch.float32, device=q.device) if need else o
-        den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need and norm else hs
+        den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need and normalize else hs
         _la_out_kernel[(NC * B * H,)](
-            q, k, v, w, om, g, hs, zs, o, y, den, B, T, H, D, NC, eps,
-            LV=Lv, NORM=norm, STORE_Y=need, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT,
+            q, k, v, w, om, gam, hs, zs, o, y, den, B, T, H, D, NC, eps,
+            LV=Lv, NORM=normalize, STORE_Y=need, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT,
             BD=BD, num_warps=_PARALLEL_WARPS)
         if need:
-            ctx.save_for_backward(q, k, v, w, S0, z0, om, g, y, den)
-            ctx.eps, ctx.norm = eps, norm
+            ctx.save_for_backward(q, k, v, w, S0, z0, om, gam, y, den)
+            ctx.eps, ctx.normalize = eps, normalize
         ctx.set_materialize_grads(False)
         return o, sf, zf
 
     @staticmethod
     @_backend.first_order_only
     def backward(ctx, do, dsf, dzf):
-        q, k, v, w, S0, z0, om, g, y, den = ctx.saved_tensors
-        eps, norm = ctx.eps, ctx.norm
+        q, k, v, w, S0, z0, om, gam, y, den = ctx.saved_tensors
+        eps, normalize = ctx.eps, ctx.normalize
         B, T, H, D = q.shape
         Lv = om.numel()
         BT, BD = _chunk_len(T, _BWD_CHUNK), _block_d(D)
@@ -654,23 +654,23 @@ class _TritonLinearAttention(torch.autograd.Function):
         if has_df:
             dsf = torch.zeros(B, Lv, H, D, D, device=dev) if dsf is None else dsf.float().contiguous()
             dzf = torch.zeros(B, Lv, H, D, device=dev) if dzf is None else dzf.float().contiguous()
-        hs, zs, _, _ = _states(k, v, om, g, S0, z0, False, BT)
+        hs, zs, _, _ = _states(k, v, om, gam, S0, z0, False, BT)
         dhs = _backend.empty(B, Lv, H, NC, D, D, dtype=torch.float32, device=dev)
         dzs = _backend.empty(B, Lv, H, NC, D, dtype=torch.float32, device=dev)
         dinit = S0 is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
         ds0 = _backend.empty(B, Lv, H, D, D, dtype=torch.float32, device=dev) if dinit else dhs
         dz0 = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=dev) if dinit else dzs
         _la_bwd_states_kernel[(B * Lv * H,)](
-            q, do, y, den, w, om, g, dsf if has_df else dhs, dzf if has_df else dzs, dhs, dzs,
-            ds0, dz0, B, T, H, D, NC, eps, LV=Lv, NORM=norm, HAS_DFINAL=has_df,
+            q, do, y, den, w, om, gam, dsf if has_df else dhs, dzf if has_df else dzs, dhs, dzs,
+            ds0, dz0, B, T, H, D, NC, eps, LV=Lv, NORM=normalize, HAS_DFINAL=has_df,
             STORE_DINIT=dinit, PREC=_backend.dot_precision(q), SDROP=_state_split(q), BT=BT, BD=BD)
         dq = _backend.empty(B, T, H, D, dtype=q.dtype, device=dev)
         dk = _backend.empty(B, T, H, D, dtype=k.dtype, device=dev)
         dv = _backend.empty(B, T, H, D, dtype=v.dtype, device=dev)
         dwp = _backend.empty(B * H, NC, Lv, dtype=torch.float32, device=dev)
         _la_bwd_grads_kernel[(NC * B * H,)](
-            q, k, v, do, y, den, w, om, g, hs, zs, dhs, dzs, dq, dk, dv, dwp, B, T, H, D, NC, eps,
-            LV=Lv, NORM=norm, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
+            q, k, v, do, y, den, w, om, gam, hs, zs, dhs, dzs, dq, dk, dv, dwp, B, T, H, D, NC, eps,
+            LV=Lv, NORM=normalize, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
             num_warps=_PARALLEL_WARPS)
         dw = dwp.sum((0, 1)).to(w.dtype)
         if not dinit:
@@ -687,7 +687,7 @@ def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps, 
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     w = level_weights.contiguous()
     om = _const(omegas, q.device)
-    g = _const([1.0] * (Lv * H), q.device) if decay is None else decay.float().expand(Lv, H).contiguous()
+    gam = _const([1.0] * (Lv * H), q.device) if decay is None else decay.float().expand(Lv, H).contiguous()
     S0 = z0 = None
     if state is not None:
         S0, z0 = state[0].float().contiguous(), state[1].float().contiguous()
@@ -699,13 +699,13 @@ def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps, 
         sf = _backend.empty(B, Lv, H, D, D, dtype=torch.float32, device=q.device)
         zf = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=q.device)
         _la_decode_kernel[(B * H,)](
-            q, k, v, w, om, g, S0 if S0 is not None else sf,
+            q, k, v, w, om, gam, S0 if S0 is not None else sf,
             z0 if z0 is not None else zf, o, sf, zf, T, H, D, eps, LV=Lv, NORM=normalize,
             HAS_INIT=S0 is not None, TB=triton.next_power_of_2(T), BD=BD, num_warps=4)
         return o, (sf, zf)
     # forward runs under no_grad, and needs_input_grad ignores the caller's mode: `grads` decides
     # whether the backward's tensors are written (not under no_grad, e.g. evaluation)
-    o, sf, zf = _TritonLinearAttention.apply(q, k, v, w, S0, z0, om, g, float(eps), normalize, grads)
+    o, sf, zf = _TritonLinearAttention.apply(q, k, v, w, S0, z0, om, gam, float(eps), normalize, grads)
     return o, (sf, zf)
 
 

@@ -125,19 +125,19 @@ def moe_torch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
         _check_range(lo, hi, E)
     wd = w.to(x.dtype)
     xs = x.index_select(0, tok).split(counts)
-    gs = wd.reshape(-1)[order].unsqueeze(1).split(counts)
+    rws = wd.reshape(-1)[order].unsqueeze(1).split(counts)
     toks = tok.split(counts)
     per = {k: v.unbind(0) for k, v in ex.items() if k != "b2"}  # one stack in backward, no per-expert zero fill
     y = torch.zeros(N, E, dtype=x.dtype, device=x.device).scatter_add(1, idx, wd) @ ex["b2"]
     for e, c in enumerate(counts):
         if not c:
             continue
-        m, g = xs[e], gs[e]
+        m, rw = xs[e], rws[e]
         if lowrank:
             h = F.gelu(torch.addmm(per["b1"][e], (m @ per["V1"][e]) * per["s1"][e], per["U1"][e].t()))
-            out = ((h @ per["V2"][e]) * (per["s2"][e] * g)) @ per["U2"][e].t()
+            out = ((h @ per["V2"][e]) * (per["s2"][e] * rw)) @ per["U2"][e].t()
         else:
-            out = (F.gelu(torch.addmm(per["b1"][e], m, per["W1"][e])) * g) @ per["W2"][e]
+            out = (F.gelu(torch.addmm(per["b1"][e], m, per["W1"][e])) * rw) @ per["W2"][e]
         y = y.index_add_(0, toks[e], out)
     return y
 
@@ -200,14 +200,14 @@ def _tile(tile_e_ptr, tile_lo_ptr, tile_hi_ptr, stok_ptr, d, F, r, BM: tl.conste
 
 @_autotune(("BD", "BF"), _FUSED_CFG, key=["d", "F", "R"])
 @triton.jit
-def _lr_fwd_kernel(x_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+def _lr_fwd_kernel(x_ptr, stok_ptr, slot_ptr, rw_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
                    V1, U1, b1, s1, V2, U2, b2, s2, y_ptr, a1_ptr, a2_ptr, d, F, r,
                    SAVE: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
                    BD: tl.constexpr, BF: tl.constexpr):
     """One (expert, row-block) tile of the low-rank forward; rows are sorted (token, slot) pairs.
 
     a1 = m V1, a2 = gelu(s1 a1 U1ᵀ + b1) V2 (r wide, on chip, d_ff streamed in BF blocks),
-    y_slot = g · (s2 a2 U2ᵀ + b2) written at the pair's slot; a1, a2 saved (fp32) for backward.
+    y_slot = rw · (s2 a2 U2ᵀ + b2) written at the pair's slot; a1, a2 saved (fp32) for backward.
     """
     CDT = x_ptr.dtype.element_ty
     e, rows, rmask, tok, nd, nf, ri, rm = _tile(tile_e_ptr, tile_lo_ptr, tile_hi_ptr, stok_ptr, d, F, r,
@@ -234,7 +234,7 @@ def _lr_fwd_kernel(x_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_ptr, ti
         tl.store(a1_ptr + rows[:, None] * r + ri[None, :], a1, mask=smask)
         tl.store(a2_ptr + rows[:, None] * r + ri[None, :], a2, mask=smask)
     s2v = tl.load(s2 + e).to(tl.float32)
-    g = tl.load(g_ptr + rows, mask=rmask, other=0.0)
+    rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
     slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     a2c = a2.to(CDT)
     for i in range(0, nd):
@@ -243,20 +243,20 @@ def _lr_fwd_kernel(x_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_ptr, ti
         u2t = tl.load(U2 + e * d * r + cd[None, :] * r + ri[:, None], mask=rm[:, None] & dm[None, :], other=0.0)
         bb = tl.load(b2 + e * d + cd, mask=dm, other=0.0).to(tl.float32)
         f = tl.dot(a2c, u2t.to(CDT), input_precision=PREC) * s2v + bb[None, :]
-        tl.store(y_ptr + slot[:, None] * d + cd[None, :], (f * g[:, None]).to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + slot[:, None] * d + cd[None, :], (f * rw[:, None]).to(y_ptr.dtype.element_ty),
                  mask=rmask[:, None] & dm[None, :])
 
 
 @_autotune(("BD", "BF"), _FUSED_CFG, key=["d", "F", "R"])
 @triton.jit
-def _lr_bwd_rows_kernel(dy_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+def _lr_bwd_rows_kernel(dy_ptr, stok_ptr, slot_ptr, rw_ptr, tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
                         V1, U1, b1, s1, V2, U2, b2, s2, a1_ptr, a2_ptr,
-                        dxs_ptr, da1_ptr, da2_ptr, dg_ptr, ds1_ptr, ds2_ptr, d, F, r,
+                        dxs_ptr, da1_ptr, da2_ptr, drw_ptr, ds1_ptr, ds2_ptr, d, F, r,
                         PREC: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
                         BD: tl.constexpr, BF: tl.constexpr):
     """Row part of the low-rank backward for one tile; the hidden activation is recomputed.
 
-    Per row: dg = <dy, f>, da2 = s2 g dy U2, dz = (da2 V2ᵀ)·gelu'(z), dh1 = dz U1, da1 = s1 dh1,
+    Per row: drw = <dy, f>, da2 = s2 rw dy U2, dz = (da2 V2ᵀ)·gelu'(z), dh1 = dz U1, da1 = s1 dh1,
     dm = da1 V1ᵀ (written at the slot); da1, da2 and the per-row s1/s2 terms are saved for the
     weight-gradient kernels and the per-expert sums.
     """
@@ -278,9 +278,9 @@ def _lr_bwd_rows_kernel(dy_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_p
         dyb2 += tl.sum(dyb.to(tl.float32) * bb[None, :], axis=1)
     s1v = tl.load(s1 + e).to(tl.float32)
     s2v = tl.load(s2 + e).to(tl.float32)
-    g = tl.load(g_ptr + rows, mask=rmask, other=0.0)
+    rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
     t2 = tl.sum(dyu2 * a2, axis=1)
-    da2 = dyu2 * (s2v * g)[:, None]
+    da2 = dyu2 * (s2v * rw)[:, None]
     h1 = (a1 * s1v).to(CDT)
     da2c = da2.to(CDT)
     dh1 = tl.zeros([BM, R], dtype=tl.float32)
@@ -297,9 +297,9 @@ def _lr_bwd_rows_kernel(dy_ptr, stok_ptr, slot_ptr, g_ptr, tile_e_ptr, tile_lo_p
     da1 = dh1 * s1v
     tl.store(da1_ptr + rows[:, None] * r + ri[None, :], da1, mask=rmask2)
     tl.store(da2_ptr + rows[:, None] * r + ri[None, :], da2, mask=rmask2)
-    tl.store(dg_ptr + rows, s2v * t2 + dyb2, mask=rmask)
+    tl.store(drw_ptr + rows, s2v * t2 + dyb2, mask=rmask)
     tl.store(ds1_ptr + rows, tl.sum(dh1 * a1, axis=1), mask=rmask)
-    tl.store(ds2_ptr + rows, g * t2, mask=rmask)
+    tl.store(ds2_ptr + rows, rw * t2, mask=rmask)
     slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     da1c = da1.to(CDT)
     for i in range(0, nd):
@@ -351,11 +351,11 @@ def _lr_bwd_ff_kernel(offs_ptr, a1_ptr, da2_ptr, U1, b1, s1, V2, dU1, dV2, db1, 
 
 @_autotune(("BD",), ((64, 8, 3), (128, 8, 3), (32, 4, 3)), key=["d", "R"])
 @triton.jit
-def _lr_bwd_model_kernel(offs_ptr, x_ptr, dy_ptr, stok_ptr, g_ptr, da1_ptr, a2_ptr, s2,
+def _lr_bwd_model_kernel(offs_ptr, x_ptr, dy_ptr, stok_ptr, rw_ptr, da1_ptr, a2_ptr, s2,
                          dV1, dU2, db2, d, r,
                          PREC: tl.constexpr, BM: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
     """Weight gradients on the d_model side for one (expert, BD block), fp32:
-    dV1 = mᵀ da1, dU2 = s2 (g dy)ᵀ a2, db2 = Σ g dy over the expert's rows."""
+    dV1 = mᵀ da1, dU2 = s2 (rw dy)ᵀ a2, db2 = Σ rw dy over the expert's rows."""
     CDT = x_ptr.dtype.element_ty
     e = tl.program_id(0).to(tl.int64)
     cd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -373,14 +373,14 @@ def _lr_bwd_model_kernel(offs_ptr, x_ptr, dy_ptr, stok_ptr, g_ptr, da1_ptr, a2_p
         rmask2 = rmask[:, None] & rm[None, :]
         xmask = rmask[:, None] & dm[None, :]
         tok = tl.load(stok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        g = tl.load(g_ptr + rows, mask=rmask, other=0.0)
+        rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
         xm = tl.load(x_ptr + tok[:, None] * d + cd[None, :], mask=xmask, other=0.0).to(CDT)
-        gdy = tl.load(dy_ptr + tok[:, None] * d + cd[None, :], mask=xmask, other=0.0).to(tl.float32) * g[:, None]
+        rwdy = tl.load(dy_ptr + tok[:, None] * d + cd[None, :], mask=xmask, other=0.0).to(tl.float32) * rw[:, None]
         da1 = tl.load(da1_ptr + rows[:, None] * r + ri[None, :], mask=rmask2, other=0.0).to(CDT)
         a2 = tl.load(a2_ptr + rows[:, None] * r + ri[None, :], mask=rmask2, other=0.0).to(CDT)
         dv1 = tl.dot(tl.trans(xm), da1, dv1, input_precision=PREC)
-        du2 = tl.dot(tl.trans(gdy.to(CDT)), a2, du2, input_precision=PREC)
-        db += tl.sum(gdy, axis=0)
+        du2 = tl.dot(tl.trans(rwdy.to(CDT)), a2, du2, input_precision=PREC)
+        db += tl.sum(rwdy, axis=0)
     wmask = dm[:, None] & rm[None, :]
     tl.store(dV1 + e * d * r + cd[:, None] * r + ri[None, :], dv1, mask=wmask)
     tl.store(dU2 + e * d * r + cd[:, None] * r + ri[None, :], du2 * tl.load(s2 + e).to(tl.float32), mask=wmask)
@@ -533,23 +533,23 @@ class _LowRankMoE(torch.autograd.Function):
         E, F, r = U1.shape
         BM, R = _block_m(), _rank_block(r)
         rt = _Route(idx, E, BM)
-        g = w.reshape(-1)[rt.order].float()
+        rw = w.reshape(-1)[rt.order].float()
         dev = x.device
         ys = _backend.empty(N * K, d, dtype=x.dtype, device=dev)
         a1 = _backend.empty(N * K, r, dtype=torch.float32, device=dev) if save else ys
         a2 = _backend.empty(N * K, r, dtype=torch.float32, device=dev) if save else ys
-        _lr_fwd_kernel[(rt.T,)](x, rt.stok, rt.order, g, rt.tile_e, rt.tile_lo, rt.tile_hi,
+        _lr_fwd_kernel[(rt.T,)](x, rt.stok, rt.order, rw, rt.tile_e, rt.tile_lo, rt.tile_hi,
                                 V1, U1, b1, s1, V2, U2, b2, s2, ys, a1, a2, d, F, r,
                                 SAVE=save, PREC=_backend.dot_precision(x), BM=BM, R=R)
         if save:
             ctx.rt, ctx.K = rt, K
-            ctx.save_for_backward(x, w, g, a1, a2, V1, U1, b1, s1, V2, U2, b2, s2)
+            ctx.save_for_backward(x, w, rw, a1, a2, V1, U1, b1, s1, V2, U2, b2, s2)
         return _sum_slots(ys, N, K, x.dtype)
 
     @staticmethod
     @_backend.first_order_only
     def backward(ctx, dy):
-        x, w, g, a1, a2, V1, U1, b1, s1, V2, U2, b2, s2 = ctx.saved_tensors
+        x, w, rw, a1, a2, V1, U1, b1, s1, V2, U2, b2, s2 = ctx.saved_tensors
         rt, K = ctx.rt, ctx.K
         N, d = x.shape
         E, F, r = U1.shape
@@ -558,10 +558,10 @@ class _LowRankMoE(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=dev)
         dxs = _backend.empty(N * K, d, dtype=x.dtype, device=dev)
         da1, da2 = _backend.empty(N * K, r, **f32), _backend.empty(N * K, r, **f32)
-        dg, ds1r, ds2r = (_backend.empty(N * K, **f32) for _ in range(3))
-        _lr_bwd_rows_kernel[(rt.T,)](dy, rt.stok, rt.order, g, rt.tile_e, rt.tile_lo, rt.tile_hi,
+        drw, ds1r, ds2r = (_backend.empty(N * K, **f32) for _ in range(3))
+        _lr_bwd_rows_kernel[(rt.T,)](dy, rt.stok, rt.order, rw, rt.tile_e, rt.tile_lo, rt.tile_hi,
                                      V1, U1, b1, s1, V2, U2, b2, s2, a1, a2,
-                                     dxs, da1, da2, dg, ds1r, ds2r, d, F, r, PREC=prec, BM=BM, R=R)
+                                     dxs, da1, da2, drw, ds1r, ds2r, d, F, r, PREC=prec, BM=BM, R=R)
         dU1, dV2 = _backend.empty(E, F, r, **f32), _backend.empty(E, F, r, **f32)
         db1 = _backend.empty(E, F, **f32)
         _lr_bwd_ff_kernel[lambda m: (E, triton.cdiv(F, m["BF"]))](
@@ -569,8 +569,8 @@ class _LowRankMoE(torch.autograd.Function):
         dV1, dU2 = _backend.empty(E, d, r, **f32), _backend.empty(E, d, r, **f32)
         db2 = _backend.empty(E, d, **f32)
         _lr_bwd_model_kernel[lambda m: (E, triton.cdiv(d, m["BD"]))](
-            rt.offs, x, dy, rt.stok, g, da1, a2, s2, dV1, dU2, db2, d, r, PREC=prec, BM=BM, R=R)
-        dw = torch.empty(N * K, **f32).index_copy_(0, rt.order, dg).view(N, K).to(w.dtype)
+            rt.offs, x, dy, rt.stok, rw, da1, a2, s2, dV1, dU2, db2, d, r, PREC=prec, BM=BM, R=R)
+        dw = torch.empty(N * K, **f32).index_copy_(0, rt.order, drw).view(N, K).to(w.dtype)
         ds1 = torch.zeros(E, **f32).index_add_(0, rt.sexp, ds1r)
         ds2 = torch.zeros(E, **f32).index_add_(0, rt.sexp, ds2r)
         grads = [g_.to(p.dtype) for g_, p in zip((dV1, dU1, db1, ds1, dV2, dU2, db2, ds2),
