@@ -88,8 +88,8 @@ class FractusConfig:
                                  f"or one per (level, head) ({self.n_levels * self.n_heads}, level-major)")
         if self.short_conv == 1:
             raise ValueError("short_conv must be 0 (none) or a width ≥ 2, got 1")
-        if self.attn_window == 1 or self.attn_window and self.eot_reset:
-            raise ValueError("attn_window must be 0 (none) or a window ≥ 2, and is not combined with eot_reset")
+        if self.attn_window == 1:
+            raise ValueError("attn_window must be 0 (none) or a window ≥ 2, got 1")
         if self.attn_window and self.d_model // self.n_heads % 2:
             raise ValueError(f"attn_window needs an even d_head for its rotary positions, got {self.d_model // self.n_heads}")
         if self.d_model % self.n_heads:
@@ -293,13 +293,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
 
 
-def window_attention(q, k, v, cache, window: int):
+def window_attention(q, k, v, cache, window: int, resets: torch.Tensor | None = None):
     """Causal softmax attention over the last ``window`` positions, the earlier ones carried.
 
     q, k, v [B, T, H, D]; cache (keys, values [B, P, H, D] fp32, present [B, P]) of the P =
-    window − 1 positions before the chunk, or None (a fresh state: none present). Position t sees
-    the keys of t − window + 1 … t that are present, rotated by position (RoPE, so scores depend on
-    distances only). The chunk is read in blocks of Q = min(window, T) queries, each against its
+    window − 1 positions before the chunk, or None (a fresh state: none present); resets [B, T]
+    bool or None (the window starts afresh before those positions). Position t sees the keys of
+    t − window + 1 … t that are present and that no reset separates from t, rotated by position
+    (RoPE, so scores depend on distances only). The chunk is read in blocks of Q = min(window, T) queries, each against its
     Q + P keys, so the scores cost T·(Q + P) rather than T·(T + P). Returns (y [B, T, H, D] in q's
     dtype, the new cache)."""
     B, T, H, D = q.shape
@@ -326,7 +327,14 @@ def window_attention(q, k, v, cache, window: int):
     j = torch.arange(Q + P, device=q.device)[None, :]
     band = (j >= i) & (j <= i + P)  # [Q, Q + P]: query i sees itself and the P keys before it
     present_b = F.pad(seen, (0, pad)).unfold(1, Q + P, Q)  # [B, nb, Q + P] (no gradient)
-    mask = (band & present_b[:, None, :, None, :]).expand(B, H, nb, Q, Q + P)
+    mask = band & present_b[:, None, :, None, :]  # [B, 1, nb, Q, Q + P]
+    if resets is not None:  # segments between resets: a query sees the keys of its own segment
+        seg = resets.long().cumsum(1)  # [B, T]; the cached keys are segment 0
+        seg_k = F.pad(torch.cat([seg.new_zeros(B, P), seg], 1), (0, pad), value=-1).unfold(1, Q + P, Q)
+        seg_q = torch.cat([seg, seg[:, -1:].expand(B, pad)], 1).view(B, nb, Q)  # padded: the last segment
+        mask = mask & (seg_k[:, None, :, None, :] == seg_q[:, None, :, :, None])
+        seen = seen & (torch.cat([seg.new_zeros(B, P), seg], 1) == seg[:, -1:])  # later queries: last segment
+    mask = mask.expand(B, H, nb, Q, Q + P)
     y = F.scaled_dot_product_attention(qr.reshape(B, H * nb, Q, D), kb.reshape(B, H * nb, Q + P, D),
                                        vb.reshape(B, H * nb, Q + P, D), attn_mask=mask.reshape(B, H * nb, Q, Q + P))
     new = (keys[:, T:].float(), values[:, T:].float(), seen[:, T:].float())
@@ -416,7 +424,8 @@ class LinearAttention(nn.Module):
                                         decay=decay, state=attn_state, eps=self.cfg.eps,
                                         backend=self.cfg.backend, normalize=self.rms_scale is None, resets=resets)
         if self.window_logit is not None:
-            y, window_state = window_attention(q, k, v, None if state is None else state[-3:], self.cfg.attn_window)
+            y, window_state = window_attention(q, k, v, None if state is None else state[-3:], self.cfg.attn_window,
+                                               resets)
             o = o + weights[-1].to(o.dtype) * y.to(o.dtype)
         if self.rms_scale is not None:
             o = F.rms_norm(o, (D,), eps=self.cfg.eps) * self.rms_scale.to(o.dtype)

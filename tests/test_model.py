@@ -30,7 +30,7 @@ def random_configs(n=8):
             expert_d_ff=24, expert_rank=rng.choice([0, 4]), n_oscillators=rng.choice([4, 8]), coupling_rank=2,
             router=rng.choice(["phase", "linear"]), detach_kuramoto=rng.choice([True, False]))
         window = rng.choice([0, 5])
-        yield dataclasses.replace(cfg, attn_window=0 if cfg.eot_reset else window)
+        yield dataclasses.replace(cfg, attn_window=window)
 
 
 def config_id(c: FractusConfig) -> str:
@@ -77,6 +77,20 @@ def test_window_attention_is_softmax_over_the_last_w_positions():
     y1, cache = model_mod.window_attention(q[:, :4], k[:, :4], v[:, :4], None, W)
     y2, _ = model_mod.window_attention(q[:, 4:], k[:, 4:], v[:, 4:], cache, W)
     assert_rel(torch.cat([y1, y2], 1), ref, 1e-6, "two chunks, the window's keys carried (fp32)")
+    # resets: a position sees only the keys from the last reset at or before it
+    resets = torch.zeros(B, T, dtype=torch.bool)
+    resets[0, [2, 5, 13]] = resets[1, 20] = True
+    for b in range(B):
+        for t in range(T):
+            lo = max([0, t - W + 1] + [r for r in range(t + 1) if resets[b, r]])
+            p = (qr[b, :, t:t + 1] @ kr[b, :, lo:t + 1].transpose(-1, -2) / D ** 0.5).softmax(-1)
+            ref[b, t] = (p @ v[b, lo:t + 1].transpose(0, 1)).squeeze(1)
+    y, _ = model_mod.window_attention(q, k, v, None, W, resets)
+    assert_rel(y, ref, 1e-12, "one chunk with resets")
+    for cut in (4, 5, 16):  # the second chunk starts before a reset, on one, and inside a segment
+        y1, cache = model_mod.window_attention(q[:, :cut], k[:, :cut], v[:, :cut], None, W, resets[:, :cut])
+        y2, _ = model_mod.window_attention(q[:, cut:], k[:, cut:], v[:, cut:], cache, W, resets[:, cut:])
+        assert_rel(torch.cat([y1, y2], 1), ref, 1e-6, f"two chunks with resets, cut at {cut}")
 
 
 def test_short_convolution_paths():
@@ -95,13 +109,15 @@ def test_short_convolution_paths():
         assert_rel(a, b, 1e-12, "gradients")
 
 
-@pytest.mark.parametrize("conv", [0, 4])
-def test_eot_reset_starts_afresh(conv):
+@pytest.mark.parametrize("conv,window", [(0, 0), (4, 0), (4, 6)])
+def test_eot_reset_starts_afresh(conv, window):
     """With eot_reset, the logits from an end-of-text token on are those of a fresh model state
-    started at it, whatever came before; without it they depend on the past."""
+    started at it, whatever came before (the convolution's buffer and the window's keys too);
+    without it they depend on the past."""
     torch.manual_seed(0)
     for reset in (True, False):
-        cfg = FractusConfig.preset("tiny", vocab_size=61, attn_decay="multiscale", short_conv=conv, eot_reset=reset)
+        cfg = FractusConfig.preset("tiny", vocab_size=61, attn_decay="multiscale", short_conv=conv, eot_reset=reset,
+                                   attn_window=window)
         model = FractusCTE(cfg).eval()
         x = torch.randint(0, 60, (2, 40))
         x[:, 25] = 60
