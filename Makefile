@@ -29,18 +29,16 @@ $(VENV)/.installed: pyproject.toml
 $(DATA)/meta.json: | setup
 	$(BIN)/python -m fractus.data prepare --input shakespeare --out $(DATA) --vocab 8192
 
-# make demo's setting: 32 streams of 64 positions, 2,048 tokens a step; the transformer baseline
-# (make baseline) reads 8 windows of 256 positions, the same 2,048 tokens a step, the same 3 M tokens
-STREAMS ?= --batch-size 32 --chunk-len 64 --accum 1
+# make demo and make baseline train with the trainer's defaults: 8 shuffled windows of 256 positions,
+# 2,048 tokens a step, each model at its tuned peak rate, on the same 3 M tokens
 demo: setup $(DATA)/meta.json
 	rm -rf $(RUN)
-	$(BIN)/python -m fractus.train --preset palier0 --data $(DATA) --out $(RUN) --tokens $(TOKENS) $(STREAMS)
+	$(BIN)/python -m fractus.train --preset palier0 --data $(DATA) --out $(RUN) --tokens $(TOKENS)
 
 BASELINE ?= runs/baseline
 baseline: setup $(DATA)/meta.json
 	rm -rf $(BASELINE)
-	$(BIN)/python -m fractus.train --model transformer --preset palier0 --data $(DATA) --out $(BASELINE) --tokens $(TOKENS) \
-	  --batch-size 8 --chunk-len 256 --accum 1
+	$(BIN)/python -m fractus.train --model transformer --preset palier0 --data $(DATA) --out $(BASELINE) --tokens $(TOKENS)
 
 # README's demo figures measured again, side by side: make demo's run and the transformer's, their
 # metrics with provenance (results/demo_metrics.csv) and both checkpoints on the validation split
@@ -49,8 +47,8 @@ demo-results: demo baseline
 	$(BIN)/python -m fractus.records $(RUN) --out results/demo_metrics.csv --label "make demo ($(RUN))" --force
 	$(BIN)/python -m fractus.records $(BASELINE) --out results/baseline_metrics.csv --label "make baseline ($(BASELINE))" --force
 	rm -f results/demo_eval.csv
-	$(BIN)/python -m fractus.evaluate $(RUN)/ckpt.pt --data $(DATA) --streams 32 --chunk-len 64 --csv results/demo_eval.csv
-	$(BIN)/python -m fractus.evaluate $(BASELINE)/ckpt.pt --data $(DATA) --streams 8 --chunk-len 256 --csv results/demo_eval.csv
+	$(BIN)/python -m fractus.evaluate $(RUN)/ckpt.pt --data $(DATA) --csv results/demo_eval.csv
+	$(BIN)/python -m fractus.evaluate $(BASELINE)/ckpt.pt --data $(DATA) --csv results/demo_eval.csv
 
 # one worker per core; a file's tests on one worker (a notebook's cells in order, a module's fixtures made once)
 test: setup

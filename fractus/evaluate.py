@@ -28,7 +28,7 @@ COLUMNS = ("checkpoint", "data", "split", "streams", "chunk_len", "tokens", "ce"
 
 
 def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "val", streams: int = 8,
-                        chunk_len: int = 32, max_tokens: int | None = None, device: str = "cpu",
+                        chunk_len: int = 256, max_tokens: int | None = None, device: str = "cpu",
                         backend: str = "auto") -> dict:
     """{val_ce, val_bpb, val_ppl, val_tokens} of the checkpoint's model on ``split`` of ``data``
     (kernels: ``backend``, whatever the checkpoint was trained with); ValueError if the CE is not finite."""
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument("--data", required=True, help="directory written by `python -m fractus.data prepare`")
     ap.add_argument("--split", default="val", choices=("val", "train"))
     ap.add_argument("--streams", type=positive_int, default=8, help="contiguous streams read side by side")
-    ap.add_argument("--chunk-len", type=positive_int, default=32)
+    ap.add_argument("--chunk-len", type=positive_int, default=256)
     ap.add_argument("--tokens", type=positive_int, default=None,
                     help="about this many targets, whole chunks of every stream, at least one (default: all)")
     ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")

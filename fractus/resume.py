@@ -54,6 +54,7 @@ def run_settings(args: dict) -> dict:
     d["model"] = d["model"] or "cte"  # a checkpoint that records no model kind holds the CTE
     d["data"] = str(Path(d["data"]).resolve())
     d["lr"] = default_lr(d["optimizer"], d["model"], d["preset"]) if d["lr"] is None else d["lr"]
+    # a checkpoint that records no sampling read its split as the CTE's streams or the transformer's windows
     d["sampling"] = d["sampling"] or ("windows" if d["model"] == "transformer" else "streams")
     d["lb_coef"] = FractusConfig.lb_coef if d["lb_coef"] is None else d["lb_coef"]
     d["bf16"] = torch.device(args["device"]).type == "cuda" if d["bf16"] is None else d["bf16"]

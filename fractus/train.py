@@ -72,13 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--out", required=True, help="run directory: checkpoints, metrics.csv")
     a("--tokens", type=positive_int, default=3_000_000, help="training tokens (all processes together)")
     a("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE", help="config overrides, e.g. n_layers=4")
-    a("--batch-size", type=positive_int, default=8, help="streams (or windows) per process (B)")
-    a("--chunk-len", type=positive_int, default=32, help="positions per chunk (C)")
-    a("--sampling", choices=SAMPLING, default=None,
-      help="streams: B contiguous streams read chunk after chunk, the state carried (the CTE's default); "
-           "windows: B non-overlapping windows of C tokens each micro-step, each from a fresh state, every "
-           "window once an epoch in a random order (the transformer's default)")
-    a("--accum", type=positive_int, default=8, help="micro-steps per optimizer step")
+    a("--batch-size", type=positive_int, default=8, help="windows (or streams) per process (B)")
+    a("--chunk-len", type=positive_int, default=256, help="positions per window or chunk (C)")
+    a("--sampling", choices=SAMPLING, default="windows",
+      help="windows: B non-overlapping windows of C tokens each micro-step, each from a fresh state, every "
+           "window once an epoch in a random order; streams: B contiguous streams read chunk after chunk, "
+           "the state carried from one to the next. Validation reads B contiguous streams, the state "
+           "carried, either way (the transformer: sliding windows)")
+    a("--accum", type=positive_int, default=1, help="micro-steps per optimizer step")
     a("--head-positions", default="all", choices=("all", "last"))
     a("--detach-kuramoto", action="store_true")
     a("--optimizer", default="adamw", choices=("sgd", "adamw", "rmsprop"))

@@ -186,7 +186,7 @@ def test_clis_name_bad_devices_and_non_finite_weights(data, tmp_path, capsys):
     assert e.value.code == 2 and "holds non-finite values (NaN or inf)" in capsys.readouterr().err
     table = tmp_path / "eval.csv"
     with pytest.raises(SystemExit) as e:
-        evaluate_main([str(tmp_path / "nan.pt"), "--data", str(data), "--tokens", "64", "--csv", str(table)])
+        evaluate_main([str(tmp_path / "nan.pt"), "--data", str(data), "--chunk-len", "16", "--tokens", "64", "--csv", str(table)])
     assert e.value.code == 2 and "gives a non-finite CE (nan)" in capsys.readouterr().err
     assert not table.exists(), "nothing written"
 
@@ -207,7 +207,7 @@ def test_a_triton_trained_checkpoint_samples_and_evaluates_on_the_cpu(data, tmp_
     FractusCTE(FractusConfig.preset("tiny", vocab_size=512, backend="triton")).save(tmp_path / "gpu.pt")
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU machine without Triton's interpreter
     sample_main([str(tmp_path / "gpu.pt"), "--prompt", "To be", "--tokens", "2"])
-    evaluate_main([str(tmp_path / "gpu.pt"), "--data", str(data), "--tokens", "64"])
+    evaluate_main([str(tmp_path / "gpu.pt"), "--data", str(data), "--chunk-len", "16", "--tokens", "64"])
     assert "CE" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         sample_main([str(tmp_path / "gpu.pt"), "--prompt", "To be", "--tokens", "2", "--backend", "triton"])

@@ -22,7 +22,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def ddp_args(data, out, steps: int, *extra) -> list[str]:
     """The trainer's arguments for ``steps`` steps of 2 processes × 2 streams × 16 tokens."""
     return ["--preset", "tiny", "--data", str(data), "--out", str(out), "--tokens", str(steps * 2 * 2 * 16),
-            "--batch-size", "2", "--chunk-len", "16", "--accum", "1", "--eval-every", "0", "--sample-tokens", "0",
+            "--batch-size", "2", "--chunk-len", "16", "--sampling", "streams", "--accum", "1", "--eval-every", "0", "--sample-tokens", "0",
             "--no-progress", "--threads", "1", *extra]
 
 
@@ -36,17 +36,18 @@ def torchrun(tmp_path, *argv, ok: bool = True) -> str:
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch build has no gloo backend")
-@pytest.mark.parametrize("extra", [[], ["--detach-kuramoto"]])  # detached: parameters without gradients
+@pytest.mark.parametrize("extra", [["--sampling", "windows"], ["--sampling", "streams", "--detach-kuramoto"]],
+                         ids=["windows", "streams-detached"])  # detached: parameters without gradients
 def test_ddp_step_equals_single_process_step(tmp_path, extra):
     data = make_corpus(tmp_path)
-    # One optimizer step of 2 micro-steps over 4 streams: 2 per process, or 4 in one process.
+    # One optimizer step of 2 micro-steps over 4 windows (or streams): 2 per process, or 4 in one process.
     # SGD (its update is proportional to the gradient, unlike Adam's first step) and lb_coef = 0:
     # the load-balance term is computed from each process's own tokens, so it is not additive.
     common = ["--preset", "tiny", "--data", str(data), "--tokens", "128", "--chunk-len", "16",
               "--accum", "2", "--optimizer", "sgd", "--lr", "1.0", "--warmup", "1", "--lb-coef", "0",
               "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--threads", "1", *extra]
     log = torchrun(tmp_path, "-m", "fractus.train", *common, "--batch-size", "2", "--out", str(tmp_path / "ddp"))
-    assert "2 process(es)" in log and "global batch 2×2 streams" in log
+    assert "2 process(es)" in log and f"global batch 2×2 {extra[1]}" in log
     train([*common, "--batch-size", "4", "--out", str(tmp_path / "one")])
 
     a, b = load_checkpoint(tmp_path / "ddp" / "ckpt.pt"), load_checkpoint(tmp_path / "one" / "ckpt.pt")

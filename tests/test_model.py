@@ -179,7 +179,7 @@ def test_1b_parameter_count():
             model = FractusCTE(FractusConfig.preset(name))
         counts[name] = (model.num_params(), model.num_params(active=True), model.num_params(active=True, embedding=False))
     assert counts["original-1b"] == (1_048_961_456, 183_464_432, 119_135_472), counts
-    assert counts["1b"] == (1_075_442_096, 209_945_072, 145_616_112), counts
+    assert counts["1b"] == (1_075_442_112, 209_945_088, 145_616_128), counts
 
 
 def test_presets_and_spec_constants():

@@ -86,6 +86,16 @@ def test_stop_after_then_resume_equals_uninterrupted(data, reference, tmp_path, 
     assert metrics(out) == reference
 
 
+def test_streams_stop_then_resume_equals_uninterrupted(data, tmp_path):
+    """The other reading of the split, contiguous streams with the state carried, resumes exactly too."""
+    streams = ("--sampling", "streams")
+    train(cli(data, tmp_path / "reference", *streams))
+    out = tmp_path / "run"
+    train(cli(data, out, *streams, "--stop-after", "7"))
+    train(cli(data, out, *streams, "--resume"))
+    assert metrics(out) == metrics(tmp_path / "reference")
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_where_it_stopped_and_exits_with_its_code(data, tmp_path, signum):
     """Saved and resumable, but not 0: `train && evaluate` must not go on (130 for Ctrl-C, 143 for SIGTERM)."""
@@ -658,7 +668,7 @@ def test_resume_refuses_other_settings(data, tmp_path, capsys):
 
 
 CHANGED = {"model": ["--model", "transformer"], "preset": ["--preset", "palier0"], "data": None, "batch_size": ["--batch-size", "3"],
-           "chunk_len": ["--chunk-len", "8"], "sampling": ["--sampling", "windows"], "accum": ["--accum", "2"],
+           "chunk_len": ["--chunk-len", "8"], "sampling": ["--sampling", "streams"], "accum": ["--accum", "2"],
            "optimizer": ["--optimizer", "sgd"],
            "seed": ["--seed", "3"], "lr": ["--lr", "1e-4"],
            "weight_decay": ["--weight-decay", "0.5"], "warmup": ["--warmup", "7"],
@@ -711,8 +721,8 @@ def test_pgsu_keeps_a_detached_clock_frozen():
 
 def test_grow_from_cli_keeps_the_loss(data, tmp_path, capsys):
     src, dst = tmp_path / "src", tmp_path / "dst"
-    train(cli(data, src, "--eval-every", "0", tokens=3 * 32))
-    wider = ["--set", "d_model=64", "n_heads=4", "n_layers=3", "n_experts=6", "expert_d_ff=48"]
+    train(cli(data, src, "--eval-every", "0", "--sampling", "streams", tokens=3 * 32))
+    wider = ["--sampling", "streams", "--set", "d_model=64", "n_heads=4", "n_layers=3", "n_experts=6", "expert_d_ff=48"]
     train(cli(data, dst, "--eval-every", "0", "--grow-from", str(src / "ckpt.pt"), *wider, tokens=32))
     old = FractusCTE.load(src / "ckpt.pt")
     x, y, _ = TokenStreams(load_tokens(data, "train"), 2, 16).next()
@@ -734,7 +744,7 @@ def test_train_ce_is_each_steps_own_batch(data, tmp_path):
     not a running mean (the original's). With lr 0 the weights stay the initial ones, so each step's CE
     can be recomputed from the checkpoint, carrying the state across chunks as the trainer does."""
     out = tmp_path / "run"
-    train(cli(data, out, "--lr", "0", "--accum", "2", "--eval-every", "0", tokens=6 * 64))
+    train(cli(data, out, "--lr", "0", "--accum", "2", "--eval-every", "0", "--sampling", "streams", tokens=6 * 64))
     model = FractusCTE.load(out / "ckpt.pt")
     streams = TokenStreams(load_tokens(data, "train"), 2, 16)
     state, want = None, []

@@ -23,7 +23,7 @@ import pandas as pd
 from fractus.model import ORIGINAL, FractusConfig
 from fractus.records import append_csv
 
-STEP_TOKENS = 2048  # tokens per optimizer step, every variant (make demo's: 32 streams × 64 positions)
+STEP_TOKENS = 2048  # tokens per optimizer step, every variant (make demo's: 8 windows × 256 positions)
 LEVER_NAMES = {"attn_decay": "multi-scale decay", "attn_norm": "RMSNorm read-out (no denominator)",
                "attn_gate": "swish output gate", "short_conv": "short convolution", "qk_norm": "RMS-normalised q, k",
                "shared_expert": "shared expert", "expert_init_std": "expert output init",
@@ -41,9 +41,9 @@ class Variant:
     model: str = "cte"
     preset: str = "palier0"
     changes: tuple = field(default=())  # ((config field, value), …)
-    chunk_len: int = 64
-    batch_size: int = 32  # streams; accumulation: STEP_TOKENS / (batch_size · chunk_len)
-    sampling: str | None = None  # the trainer's --sampling (None: the model's default)
+    chunk_len: int = 256
+    batch_size: int = 8  # windows or streams; accumulation: STEP_TOKENS / (batch_size · chunk_len)
+    sampling: str | None = None  # the trainer's --sampling (None: its default, shuffled windows)
     warmup: int | None = None  # the trainer's --warmup in optimizer steps (None: its default)
 
     @property
@@ -79,7 +79,7 @@ def variants(preset: str = "palier0", tried: dict = TRIED, parts: bool = True) -
     """The ablation at ``preset``'s dimensions: the original; each lever of the recipe alone on
     it; the recipe; the recipe without each lever and with each of ``tried``; with ``parts``, the
     recipe with one level and with the linear router (no Kuramoto clock); the transformer
-    (context 256, 8 streams: 2,048 tokens a step as the others)."""
+    (context 256; every variant reads 8 windows of 256, 2,048 tokens a step)."""
     levers = recipe_levers(preset)
     original = f"original-{preset}"
     out = [Variant("original", "original", preset=original)]
@@ -94,7 +94,7 @@ def variants(preset: str = "palier0", tried: dict = TRIED, parts: bool = True) -
     if parts:
         out += [Variant("recipe, one level", "parts", preset=preset, changes=(("n_levels", 1),)),
                 Variant("recipe, linear router (no clock)", "parts", preset=preset, changes=(("router", "linear"),))]
-    out.append(Variant("transformer", "baseline", model="transformer", preset=preset, chunk_len=256, batch_size=8))
+    out.append(Variant("transformer", "baseline", model="transformer", preset=preset))
     return out
 
 

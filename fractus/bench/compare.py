@@ -1,10 +1,12 @@
 """The Fractus CTE against a tuned Transformer++: learning rates tuned per model, two budgets.
 
 Three models at palier0's width and depth, trained by the trainer itself on the same prepared
-tokens at 2,048 tokens a step, evaluated on the same held-out split: the default CTE (32 streams
-of 64 positions, state carried), the original architecture (``original-palier0``, read the same
-way) and the Transformer++ (:mod:`fractus.baseline`; 8 windows of 256, scored with sliding windows
-of 256 every 128, and also as the CTE's chunks without context). Three stages:
+tokens at 2,048 tokens a step, evaluated on the same held-out split: the default CTE (8 shuffled
+windows of 256 positions, the trainer's default; scored with the state carried through 8
+contiguous streams), the original architecture (``original-palier0``, 32 contiguous streams of 64
+positions, the state carried) and the Transformer++ (:mod:`fractus.baseline`; 8 shuffled windows
+of 256, scored with sliding windows of 256 every 128, and also as the CTE's chunks without
+context). Three stages:
 
 - ``sweep``: every model at each of :data:`LRS` (spaced ×2), one seed;
 - ``seeds``: every model at its best rate of the sweep from :data:`SEEDS`;
@@ -31,25 +33,24 @@ from fractus.cli import run_command
 from fractus.records import append_csv, write_csv
 
 MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 tokens a step each)
-    "default": Variant("default", "recipe", preset="palier0"),
+    "default": Variant("default", "recipe", preset="palier0", chunk_len=256, batch_size=8, sampling="windows"),
     "transformer": Variant("transformer", "baseline", model="transformer", preset="palier0", chunk_len=256,
-                           batch_size=8),
-    "original": Variant("original", "original", preset="original-palier0"),
+                           batch_size=8, sampling="windows"),
+    "original": Variant("original", "original", preset="original-palier0", chunk_len=64, batch_size=32,
+                        sampling="streams"),
 }
-# Levers tried on the default CTE beside the three models (stage "levers", at one rate): name → model
-LEVERS = {
-    "default + window 64": Variant("default + window 64", "lever", preset="palier0", changes=(("attn_window", 64),)),
-    "default, 8 streams of 256": Variant("default, 8 streams of 256", "lever", preset="palier0", chunk_len=256,
-                                         batch_size=8),
-    "default, shuffled windows of 256": Variant("default, shuffled windows of 256", "lever", preset="palier0",
-                                              chunk_len=256, batch_size=8, sampling="windows"),
-    "default + window 64, shuffled windows of 256": Variant(
-        "default + window 64, shuffled windows of 256", "lever", preset="palier0", changes=(("attn_window", 64),),
-        chunk_len=256, batch_size=8, sampling="windows"),
-    # the Transformer++ with a warm-up of 5 % of a 3 M-token run (73 steps) instead of the trainer's 50
-    "transformer, warm-up 73": Variant("transformer, warm-up 73", "baseline", model="transformer", preset="palier0",
-                                       chunk_len=256, batch_size=8, warmup=73),
-}
+# Variants of the default and of the baseline tried beside the three models, each named by what it
+# changes: "− window" turns the softmax window level off; a reading of the corpus other than the
+# default's 8 shuffled windows of 256 is named.
+LEVERS = {name: Variant(name, group, model=model, preset="palier0", changes=changes, chunk_len=chunk, batch_size=batch,
+                        sampling=sampling, warmup=warmup)
+          for name, group, model, changes, chunk, batch, sampling, warmup in (
+              ("default − window, 32 streams of 64", "lever", "cte", (("attn_window", 0),), 64, 32, "streams", None),
+              ("default, 32 streams of 64", "lever", "cte", (), 64, 32, "streams", None),
+              ("default − window, 8 streams of 256", "lever", "cte", (("attn_window", 0),), 256, 8, "streams", None),
+              ("default − window", "lever", "cte", (("attn_window", 0),), 256, 8, "windows", None),
+              # a warm-up of 5 % of a 3 M-token run (73 steps) instead of the trainer's 50
+              ("transformer, warm-up 73", "baseline", "transformer", (), 256, 8, "windows", 73))}
 
 
 def headline_reading(model: str) -> str:

@@ -129,7 +129,7 @@ RECALL_MODELS = (
     RecallModel("default"),
     RecallModel("transformer", kind="transformer"),
     RecallModel("original", preset="original-palier0"),
-    RecallModel("default, softmax window 64", changes=(("attn_window", 64),)),
+    RecallModel("default − window", changes=(("attn_window", 0),)),
     RecallModel("default, one level", changes=(("n_levels", 1),)),
     RecallModel("default, linear router", changes=(("router", "linear"),)),
     RecallModel("default, no decay", changes=(("attn_decay", 1.0),)),
