@@ -193,19 +193,20 @@ def timing(names, data, steps: int = 60, rounds: int = 3, threads: int = 2, mode
 
 
 def summary(rows: pd.DataFrame, tokens: int = DEMO_TOKENS) -> pd.DataFrame:
-    """Per model at its best rate and ``tokens``: headline CE mean, min, max over seeds, bits/byte,
-    training tok/s, and the mean CE and time against the transformer's."""
+    """Per model (the three models first, then the variants tried) at its best rate and ``tokens``:
+    headline CE mean, min, max over seeds, bits/byte, training tok/s, and the mean CE and time
+    against the transformer's."""
     h = headline(rows)
     h = h[h["tokens"] == trained_tokens(tokens)]
+    names = [m for m in MODELS if (h["model"] == m).any()] + sorted(set(h["model"]) - set(MODELS))
     out = []
-    for m in MODELS:
-        if (h["model"] == m).any():
-            lr = best_lr(rows, m, tokens)
-            g = h[(h["model"] == m) & (h["lr"] == lr)]
-            out.append({"model": m, "lr": lr, "seeds": g["seed"].nunique(), "val_ce": g["val_ce"].mean(),
-                        "val_ce_min": g["val_ce"].min(), "val_ce_max": g["val_ce"].max(),
-                        "val_bpb": g["val_bpb"].mean(), "tok_s": g["tok_s"].mean(),
-                        "train_s": (g["tokens"] / g["tok_s"]).mean()})
+    for m in names:
+        lr = best_lr(rows, m, tokens)
+        g = h[(h["model"] == m) & (h["lr"] == lr)]
+        out.append({"model": m, "lr": lr, "rates": h.loc[h["model"] == m, "lr"].nunique(), "seeds": g["seed"].nunique(),
+                    "val_ce": g["val_ce"].mean(), "val_ce_min": g["val_ce"].min(), "val_ce_max": g["val_ce"].max(),
+                    "val_bpb": g["val_bpb"].mean(), "tok_s": g["tok_s"].mean(),
+                    "train_s": (g["tokens"] / g["tok_s"]).mean()})
     t = pd.DataFrame(out).set_index("model")
     if "transformer" in t.index:
         t["ce_vs_transformer"] = t["val_ce"] - t.loc["transformer", "val_ce"]
@@ -214,23 +215,23 @@ def summary(rows: pd.DataFrame, tokens: int = DEMO_TOKENS) -> pd.DataFrame:
 
 
 def plot_sweep(rows: pd.DataFrame, path, tokens: int = DEMO_TOKENS) -> Path:
-    """Validation CE (each model's own reading) against the peak rate, one line per model of the
-    sweep, the levers tried as points; written to ``path`` with its provenance."""
+    """Validation CE (each model's own reading, the mean over seeds) against the peak rate: a line
+    for each model trained at several rates, a point for a variant tried at one; written to
+    ``path`` with its provenance."""
     import matplotlib.pyplot as plt
 
     from fractus.bench.report import save_figure
     h = headline(rows)
     h = h[h["tokens"] == trained_tokens(tokens)]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for m in MODELS:
-        g = h[(h["model"] == m) & (h["stage"] == "sweep")].groupby("lr")["val_ce"].mean()
-        if len(g):
-            ax.semilogx(g.index, g.values, "o-", label=f"{m} ({headline_reading(m)})")
-    for name, g in h[h["stage"] == "levers"].groupby("model"):
-        ax.semilogx(g["lr"], g["val_ce"], "x", ms=8, label=name)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    names = [m for m in MODELS if (h["model"] == m).any()] + sorted(set(h["model"]) - set(MODELS))
+    for m in names:
+        g = h[h["model"] == m].groupby("lr")["val_ce"].mean()
+        ax.semilogx(g.index, g.values, "o-" if len(g) > 1 else "x", ms=6 if len(g) > 1 else 8,
+                    label=f"{m} ({headline_reading(m)})")
     ax.set_xlabel("peak learning rate (AdamW)")
     ax.set_ylabel("validation CE (nats/token)")
-    ax.set_title(f"palier0 size, {tokens / 1e6:g} M tokens, seed 0")
+    ax.set_title(f"palier0 size, {tokens / 1e6:g} M tokens, mean over seeds")
     ax.legend(fontsize=7)
     return save_figure(fig, path, note="results/compare_cpu.csv")
 
