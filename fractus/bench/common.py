@@ -1,6 +1,7 @@
-"""The smoke switch (``SMOKE``: ``FRACTUS_SMOKE=1``), and the timing, peak-memory and
-correctness-check helpers shared by every benchmark (their rows' provenance and CSVs:
-:mod:`fractus.records`)."""
+"""The smoke switch (``SMOKE``: ``FRACTUS_SMOKE=1``), and the timing and peak-memory helpers shared
+by every benchmark (their rows' provenance and CSVs: :mod:`fractus.records`). The correctness-check
+helpers are :mod:`fractus.verify.checks`' (the checks made without the benchmarks use them too),
+imported here under the names the benchmarks and notebooks use."""
 from __future__ import annotations
 
 import importlib
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from fractus.verify.checks import check_rows, dtype_name, error_row, rel_err  # noqa: F401
 
 SMOKE = os.environ.get("FRACTUS_SMOKE", "0") == "1"
 
@@ -146,41 +149,3 @@ def cuda_context_lost(device: torch.device | str) -> bool:
         return False
     except Exception:  # RuntimeError or torch.AcceleratorError, depending on torch's version
         return True
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """How the CSVs name a dtype: 'float32', 'bfloat16', …"""
-    return str(dtype).removeprefix("torch.")
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ in fp64 (inf if x has a non-finite value); the tests' measure too."""
-    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def check_rows(kernel: str, dtype: torch.dtype, names, got, truth, same=None, margin: float = 0.0,
-               margins: dict | None = None, truth_name: str = "fp32 reference") -> list[dict]:
-    """Correctness-table rows for one kernel call, one per output. fp32 (``same`` None):
-    rel_err vs the truth < 1e-4. Low precision: rel_err ≤ that of the same-dtype PyTorch path
-    + ``margin`` (``margins[name]`` where given)."""
-    rows = []
-    for name, g, t, s in zip(names, got, truth, same if same is not None else [None] * len(got)):
-        e = rel_err(g, t)
-        if s is None:
-            tol, check = 1e-4, f"{name} vs {truth_name}"
-        else:
-            tol = rel_err(s, t) + (margins or {}).get(name, margin)
-            check = f"{name} vs {truth_name} (<= same-dtype torch path err + margin)"
-        rows.append(dict(kernel=kernel, dtype=dtype_name(dtype), check=check, rel_err=e,
-                         tol=tol, passed=e <= tol))
-    return rows
-
-
-def error_row(kernel: str, dtype: torch.dtype, exc: Exception) -> dict:
-    """A failed row of the correctness table: the exception recorded, not raised."""
-    return dict(kernel=kernel, dtype=dtype_name(dtype),
-                check=f"error: {type(exc).__name__}: {exc}"[:300], rel_err=float("nan"), tol=float("nan"),
-                passed=False)

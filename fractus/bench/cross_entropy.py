@@ -8,26 +8,17 @@ loss and gradients compared with the fp32 naive ones. Target: memory and time â‰
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
 from fractus.bench import common
 from fractus.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from fractus.verify.cases import CROSS_ENTROPY_GPU, cross_entropy_case, cross_entropy_fwd_bwd
 
 CPU_CASE = dict(N=8192, d=512, V=50257)
-GPU_CASE = dict(N=16384, d=1280, V=50257)
 TINY = dict(N=37, d=48, V=300)
-
-
-def make_case(N, d, V, dtype=torch.float32, device="cpu", seed=0, ignore_every=0):
-    """h [N, d], weight [V, d] (leaves requiring grad), targets [N] (every k-th row ignored if k)."""
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
-    w = (0.02 * torch.randn(V, d, generator=gen)).to(device=device, dtype=dtype).requires_grad_()
-    t = torch.randint(0, V, (N,), generator=gen)
-    if ignore_every:
-        t[1::ignore_every] = -100
-    return h, w, t.to(device)
 
 
 def naive(h, w, t):
@@ -52,19 +43,11 @@ def _impl(name):
     return lambda h, w, t: linear_cross_entropy(h, w, t, backend=name)
 
 
-def _fwd_bwd(fn, h, w, t):
-    """One forward+backward of ``fn``; returns (loss, dL/dh, dL/dW)."""
-    h.grad = w.grad = None
-    loss = fn(h, w, t)
-    loss.backward()
-    return loss.detach(), h.grad, w.grad
-
-
 def peak_case(impl, N, d, V):
     """For cpu_peak_bytes: builds a case and returns a forward+backward thunk."""
-    h, w, t = make_case(N, d, V)
+    h, w, t = cross_entropy_case(N, d, V)
     fn = _impl(impl)
-    return lambda: _fwd_bwd(fn, h, w, t)
+    return lambda: cross_entropy_fwd_bwd(fn, h, w, t)
 
 
 def _flops(N, d, V):
@@ -84,11 +67,11 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
     reps = dict(warmup=1, reps=2 if smoke else 3)
     impls = ("torch", "naive")
     peaks = [common.cpu_peak_bytes("fractus.bench.cross_entropy:peak_case", impl=i, **case) for i in impls]
-    h, w, t = make_case(**case)
+    h, w, t = cross_entropy_case(**case)
     rows = []
     for impl, peak in zip(impls, peaks):
         fn = _impl(impl)
-        tm = common.median_time(lambda: _fwd_bwd(fn, h, w, t), **reps)
+        tm = common.median_time(lambda: cross_entropy_fwd_bwd(fn, h, w, t), **reps)
         rows.append(dict(bench="cross_entropy", impl="chunked" if impl == "torch" else "naive",
                          mode="fwd+bwd", dtype=common.dtype_name(torch.float32), tokens=case["N"], d=case["d"],
                          V=case["V"], time_s=tm, gflops=_flops(**case) / tm / 1e9, peak_rss_bytes=peak))
@@ -110,11 +93,11 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
     skipped there: it needs a C++ toolchain and minutes).
     """
     dtype = torch.bfloat16
-    device, case = ("cpu", TINY) if smoke else ("cuda", GPU_CASE)
-    h, w, t = make_case(**case, dtype=dtype, device=device)
+    device, case = ("cpu", TINY) if smoke else ("cuda", CROSS_ENTROPY_GPU)
+    h, w, t = cross_entropy_case(**case, dtype=dtype, device=device)
     meta = dict(bench="cross_entropy", mode="fwd+bwd", dtype=common.dtype_name(dtype),
                 tokens=case["N"], d=case["d"], V=case["V"])
-    truth = _fwd_bwd(naive, h.detach().float().requires_grad_(), w.detach().float().requires_grad_(), t)
+    truth = cross_entropy_fwd_bwd(naive, h.detach().float().requires_grad_(), w.detach().float().requires_grad_(), t)
     rows = []
     for impl in ("triton", "naive", "compiled", "liger"):
         if impl == "compiled" and smoke:
@@ -122,13 +105,13 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
             continue
         try:
             fn = _impl(impl)
-            thunk = lambda: _fwd_bwd(fn, h, w, t)  # noqa: E731
+            thunk = lambda: cross_entropy_fwd_bwd(fn, h, w, t)  # noqa: E731
             tm = common.median_time(thunk, warmup=1, reps=2, device=device) if smoke else \
                 common.median_time(thunk, device=device)
             row = dict(**meta, impl=impl, time_s=tm, tflops=_flops(**case) / tm / 1e12,
                        gbps=_min_bytes(**case, elt=h.element_size()) / tm / 1e9)
             row.update({f"rel_err_{n}": common.rel_err(x, y) for n, x, y in
-                        zip(("loss", "dh", "dw"), _fwd_bwd(fn, h, w, t), truth)})
+                        zip(("loss", "dh", "dw"), cross_entropy_fwd_bwd(fn, h, w, t), truth)})
             if device == "cuda":
                 row["peak_bytes"] = common.cuda_peak_bytes(thunk, leaves=(h, w))
             rows.append(row)
@@ -177,14 +160,15 @@ def _lowp_torch(h, w, t, **kw):
     return loss, ce.detach()
 
 
-def correctness_rows(device, smoke: bool = False) -> list[dict]:
+def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
     """Triton vs the fp32 reference: loss, per-token ce, dH, dW; fp32 and low precision.
 
     fp32: rel_err < 1e-4. bf16 (on CPU through the interpreter, which :mod:`fractus.verify.interpret`
     makes round it as a GPU does): rel_err vs the fp32 truth â‰¤ that of the bf16 PyTorch computation + 2e-3.
     Measured so at this size (1,000 tokens, d 512, V 50257), the kernel's errors are below the
     PyTorch path's in both options: loss and per-token ce by 4e-6 to 2.5e-4, dH and dW by 3e-4 to 8e-4.
-    Failures (including exceptions) are recorded, never raised.
+    Failures (including exceptions) are recorded, never raised; the rows are yielded an option and
+    dtype at a time.
     """
     device = torch.device(device)
     case = TINY if smoke else dict(N=1000, d=512, V=50257)
@@ -195,13 +179,12 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
                                         positions=torch.arange(N - 1, 0, -3)),
     }
     names = ("loss", "per_token_ce", "dH", "dW")
-    rows = []
     for opt, kw in options.items():
         kw = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in kw.items()}
         for dtype in (torch.float32, torch.bfloat16):
             kernel = f"linear_cross_entropy[{opt}]"
             try:
-                h, w, t = make_case(**case, dtype=dtype, device=device, ignore_every=7)
+                h, w, t = cross_entropy_case(**case, dtype=dtype, device=device, ignore_every=7)
                 with torch.no_grad():
                     w.mul_(100.0 / case["d"] ** 0.5)  # logits of std ~2: a peaked, not flat, softmax
 
@@ -216,7 +199,6 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
                 truth = run(lambda *a, **k: linear_cross_entropy_reference(*a, return_per_token=True,
                                                                            **k), h32, w32)
                 same = run(_lowp_torch, h, w) if dtype != torch.float32 else None
-                rows += common.check_rows(kernel, dtype, names, got, truth, same, margin=2e-3)
+                yield from common.check_rows(kernel, dtype, names, got, truth, same, margin=2e-3)
             except Exception as exc:  # recorded, not raised
-                rows.append(common.error_row(kernel, dtype, exc))
-    return rows
+                yield common.error_row(kernel, dtype, exc)

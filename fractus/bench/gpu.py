@@ -43,7 +43,6 @@ import torch
 
 from fractus.atomic import atomic_open
 from fractus.bench import common, optimizations, profile
-from fractus.bench.cases import GEN_PROMPT, kuramoto_case
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
 from fractus.bench.costmodel import (
     H200_DATASHEET,
@@ -59,6 +58,7 @@ from fractus.records import cuda_name, provenance, write_csv
 from fractus.runs import read_metrics
 from fractus.train import train
 from fractus.verify import aot, offsets
+from fractus.verify.cases import GEN_PROMPT, kuramoto_case
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
 TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
@@ -117,8 +117,8 @@ def model_runs() -> list[tuple[str, dict]]:
 
 
 def precompile_rows(dry_run: bool) -> list[dict]:
-    """Every kernel the suite launches (the ops', :func:`model_runs`', the attention's chunk-64
-    backward and fla's when installed, every autotune config) compiled in parallel processes into
+    """Every kernel the suite launches (the ops', :func:`model_runs`', the timings' and fla's when
+    installed, every autotune config) compiled in parallel processes into
     Triton's cache first, so that later stages and autotuning load binaries instead of compiling
     one at a time. Dry run: two workers compile the clock's kernels offline for sm_90 (no time
     limit that a loaded CI machine could reach)."""
@@ -285,10 +285,10 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
     def bench(k: str):
         return importlib.import_module(f"fractus.bench.{k}")
     fns = {"ceilings": measure_ceilings, "precompile": lambda: precompile_rows(dry_run)}
-    def poisoned(rows: Callable[[], Iterable[dict]]) -> list[dict]:
+    def poisoned(rows: Callable[[], Iterable[dict]]) -> Iterator[dict]:
         """The checks run with NaN-filled kernel outputs, so that unwritten elements fail them."""
         with _backend.poisoned():
-            return list(rows())
+            yield from rows()
     for k in KERNELS:
         fns[f"correctness_{k}"] = lambda k=k: poisoned(lambda: bench(k).correctness_rows(device, smoke=dry_run))
     fns["correctness_kuramoto"] = lambda: poisoned(lambda: kuramoto_rows(device, dry_run, timing=False))
@@ -343,7 +343,8 @@ def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
 
 def _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s, tables, failures) -> bool:
     """One stage of :func:`run_stages` (its rows into ``tables``, a failure into ``failures``);
-    True when the remaining stages ran in a fresh process."""
+    True when the remaining stages ran in a fresh process. The stage's CSV is rewritten after every
+    row it yields, so a process that dies inside the stage leaves the rows measured before."""
     rows: list[dict] = []
 
     def keep() -> None:  # the rows measured so far, whatever comes next
@@ -353,17 +354,16 @@ def _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s,
     try:
         for row in fns[name]():
             rows.append(row)
-        keep()  # first: a failure surfacing at the synchronize below keeps them
+            keep()
         if device.type == "cuda":  # errors of its last kernels surface here, in their stage
             torch.cuda.synchronize(device)
         print(f"[{time.time() - t_start:6.1f}s] {name}: {len(rows)} rows ({time.time() - t0:.1f}s)")
         if device.type == "cuda":  # its cached blocks back to the device: a fresh process may need them
             torch.cuda.empty_cache()
-    except Stopped:
+    except Stopped:  # the signal may have come between a row and its writing
         keep()
         raise
     except Exception as e:  # a failing stage is recorded and the suite goes on
-        keep()
         failures.append({"stage": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)})
         print(f"[{time.time() - t_start:6.1f}s] {name}: FAILED {type(e).__name__}: {e}")
         if i + 1 < len(names) and cuda_context_lost(device):

@@ -7,40 +7,18 @@ Triton vs the sorted PyTorch path vs a per-expert Python loop.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
 from fractus.bench import common
 from fractus.kernels.moe import moe, moe_reference
+from fractus.verify.cases import MOE_GPU, MOE_TOKENS, moe_case, moe_fwd_bwd
 
 PALIER2 = dict(d=512, E=16, F=512, r=64, K=2)
-ONE_B = dict(d=1280, E=128, F=2048, r=64, K=2)
-GPU_TOKENS = (16384, 65536)  # token counts the GPU suite times at ONE_B (the dense experts at the first)
 TINY = dict(d=48, E=7, F=80, r=16, K=2)
 GATHER_CHUNK = 1024  # tokens per forward+backward of the gather baseline (its memory is ∝ tokens)
-
-
-def make_case(N, d, E, F, r, K, lowrank=True, dtype=torch.float32, device="cpu", seed=0):
-    """Random experts (leaf tensors requiring grad), x [N, d], idx [N, K] distinct per token, w [N, K]."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype).requires_grad_()
-
-    if lowrank:
-        ex = dict(V1=rnd(E, d, r, scale=d ** -0.5), U1=rnd(E, F, r, scale=r ** -0.5), b1=rnd(E, F, scale=0.1),
-                  s1=rnd(E, scale=0.1), V2=rnd(E, F, r, scale=F ** -0.5), U2=rnd(E, d, r, scale=r ** -0.5),
-                  b2=rnd(E, d, scale=0.1), s2=rnd(E, scale=0.1))
-        with torch.no_grad():
-            ex["s1"] += 1.0
-            ex["s2"] += 1.0
-    else:
-        ex = dict(W1=rnd(E, d, F, scale=d ** -0.5), b1=rnd(E, F, scale=0.1),
-                  W2=rnd(E, F, d, scale=F ** -0.5), b2=rnd(E, d, scale=0.1))
-    x = rnd(N, d)
-    idx = torch.rand(N, E, generator=gen).topk(K, dim=1).indices.to(device)
-    w = torch.softmax(torch.randn(N, K, generator=gen), -1).to(device=device, dtype=dtype).requires_grad_()
-    return x, idx, w, ex
 
 
 def moe_gather(x, idx, w, ex):
@@ -69,17 +47,6 @@ def _params(x, w, ex):
     return [x, w, *ex.values()]
 
 
-def _fwd_bwd(fn, x, idx, w, ex, chunk=None):
-    """Forward+backward of fn (in token chunks when chunk is set); gradients accumulate into .grad."""
-    n = x.shape[0]
-    step = chunk or n
-    for p in _params(x, w, ex):
-        p.grad = None
-    for i in range(0, n, step):
-        y = fn(x[i:i + step], idx[i:i + step], w[i:i + step], ex)
-        y.backward(torch.ones_like(y))
-
-
 def _impl(name):
     if name == "gather":
         return moe_gather
@@ -90,8 +57,8 @@ def _impl(name):
 
 def peak_case(impl, N, chunk=None, **dims):
     """For cpu_peak_bytes: builds a case and returns a forward+backward thunk."""
-    x, idx, w, ex = make_case(N, **dims)
-    return lambda: _fwd_bwd(_impl(impl), x, idx, w, ex, chunk)
+    x, idx, w, ex = moe_case(N, **dims)
+    return lambda: moe_fwd_bwd(_impl(impl), x, idx, w, ex, chunk)
 
 
 def _flops(N, d, E, F, r, K, lowrank=True):
@@ -121,8 +88,8 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
     impls = (("torch", None), ("gather", chunk))
     peaks = [common.cpu_peak_bytes("fractus.bench.moe:peak_case", impl=impl, N=N, chunk=ch, **dims)
              for impl, ch in impls]
-    x, idx, w, ex = make_case(N, **dims)
-    runs = common.interleaved_times([lambda impl=impl, ch=ch: _fwd_bwd(_impl(impl), x, idx, w, ex, ch)
+    x, idx, w, ex = moe_case(N, **dims)
+    runs = common.interleaved_times([lambda impl=impl, ch=ch: moe_fwd_bwd(_impl(impl), x, idx, w, ex, ch)
                                      for impl, ch in impls], rounds)
     times = {impl: ts for (impl, _), ts in zip(impls, runs)}
     best = {impl: min(ts) for impl, ts in times.items()}
@@ -139,8 +106,10 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- GPU
-def gpu_rows(smoke: bool = False) -> list[dict]:
-    """1b dims in bf16: Triton vs the sorted PyTorch path vs a per-expert loop; time, GB/s, TFLOP/s.
+def gpu_rows(smoke: bool = False) -> Iterator[dict]:
+    """1b dims in bf16: Triton vs the sorted PyTorch path vs a per-expert loop; time, GB/s, TFLOP/s,
+    yielded a case (token count, low-rank or dense experts) at a time. After a failure that loses
+    CUDA's context, the rows so far are yielded and nothing more runs.
 
     smoke=True runs tiny sizes through the Triton interpreter on CPU.
     """
@@ -148,12 +117,11 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
     if smoke:
         device, dims, tokens = "cpu", TINY, (37,)
     else:
-        device, dims, tokens = "cuda", ONE_B, GPU_TOKENS
+        device, dims, tokens = "cuda", MOE_GPU, MOE_TOKENS
     elt = torch.finfo(dtype).bits // 8
-    rows = []
     cases = [(N, True) for N in tokens] + [(tokens[0], False)]
     for N, lowrank in cases:
-        x, idx, w, ex = make_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device)
+        x, idx, w, ex = moe_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device)
         impls = ("triton", "torch", "loop") if lowrank else ("triton", "torch")
         case_rows = []
         for impl in impls:
@@ -165,7 +133,7 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
                             fn(x, idx, w, ex)
                 else:
                     def thunk():
-                        _fwd_bwd(fn, x, idx, w, ex)
+                        moe_fwd_bwd(fn, x, idx, w, ex)
                 row = dict(bench="moe", kind="lowrank" if lowrank else "dense", impl=impl, mode=mode,
                            dtype=common.dtype_name(dtype), tokens=N, **dims)
                 try:
@@ -180,7 +148,8 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
                 except Exception as exc:  # recorded; the other implementations and cases still run
                     row["note"] = f"error: {type(exc).__name__}: {exc}"[:300]
                     if common.cuda_context_lost(device):  # every later call would fail too
-                        return rows + case_rows + [row]
+                        yield from case_rows + [row]
+                        return
                     if device == "cuda":
                         torch.cuda.empty_cache()
                 case_rows.append(row)
@@ -194,29 +163,28 @@ def gpu_rows(smoke: bool = False) -> list[dict]:
                 row["speedup_vs_loop"] = same["loop"] / row["time_s"]
                 if row["impl"] == "triton":
                     row["target_met"] = row["speedup_vs_loop"] >= 5
-        rows += case_rows
+        yield from case_rows
         del x, idx, w, ex
-    return rows
 
 
-def correctness_rows(device, smoke: bool = False) -> list[dict]:
+def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
     """Triton vs the fp32 per-token reference: output and every gradient, low-rank and dense.
 
     fp32: rel_err < tol. bf16 (on CPU through the interpreter, which :mod:`fractus.verify.interpret`
     makes round it as a GPU does): rel_err vs the fp32 truth ≤ that of the bf16 PyTorch path + 2e-3
     (the interpreter's bf16 exceeds it by at most 6.6e-4 at these sizes, 8.3e-4 at the dry run's;
-    mostly the kernels are more accurate). Failures (including exceptions) are recorded, never raised.
+    mostly the kernels are more accurate). Failures (including exceptions) are recorded, never raised;
+    the rows are yielded a kernel and dtype at a time.
     """
     device = torch.device(device)
     dims = TINY if smoke else dict(d=320, E=16, F=400, r=64, K=2)
     N = 13 if smoke else 257
-    rows = []
     for lowrank in (True, False):
         # (token dtype, fp32 master experts as the model passes them under autocast)
         for dtype, masters in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
             kernel = ("moe_lowrank" if lowrank else "moe_dense") + ("[fp32 experts]" if masters else "")
             try:
-                x, idx, w, ex = make_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device)
+                x, idx, w, ex = moe_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device)
                 dy = torch.randn(N, dims["d"], generator=torch.Generator().manual_seed(1)).to(device, dtype)
 
                 def run(fn, x, w, ex, dy):
@@ -230,7 +198,6 @@ def correctness_rows(device, smoke: bool = False) -> list[dict]:
                 x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
                 truth = run(moe_reference, x32, w32, up, dy.float())
                 same = run(_impl("torch"), x, w, ex, dy) if dtype != torch.float32 else None
-                rows += common.check_rows(kernel, dtype, ["y", "dx", "dw", *ex], got, truth, same, margin=2e-3)
+                yield from common.check_rows(kernel, dtype, ["y", "dx", "dw", *ex], got, truth, same, margin=2e-3)
             except Exception as exc:  # recorded, not raised
-                rows.append(common.error_row(kernel, dtype, exc))
-    return rows
+                yield common.error_row(kernel, dtype, exc)

@@ -11,11 +11,12 @@ compiler rejects; this catches those before any GPU time is spent. It does not r
 correctness and speed still need the device (``python -m fractus.bench gpu``).
 
 Run it with ``TRITON_INTERPRET`` unset (the CLI checks): the kernels must be real JIT functions.
-:func:`precompile` compiles the same captured launches in parallel processes into Triton's
-on-disk cache, for the GPU at hand: a stage of the GPU suite before its checks, with what its
-stages launch beyond the ops' own (:data:`EXTRAS`: the attention's chunk-64 backward, the checks
-at offsets past 2³¹ elements, and fla's kernels when it is installed, so that its autotuning loads
-binaries too).
+The table also compiles the GPU suite's timed launches (the extra ``timings``: each kernel at the
+shapes and in the variants its timings run, :mod:`fractus.verify.cases`). :func:`precompile`
+compiles the same captured launches in parallel processes into Triton's on-disk cache, for the GPU
+at hand: a stage of the GPU suite before its checks, with what its stages launch beyond the ops'
+own (:data:`EXTRAS`: the timings, the checks at offsets past 2³¹ elements, and fla's kernels when it
+is installed, so that its autotuning loads binaries too).
 """
 from __future__ import annotations
 
@@ -146,35 +147,35 @@ def _run_linear_attention(dtype):
     alone as in training and the timings; at B=1, an integer Triton specialises; a decay per
     (level, head) with and without the denominator), its forward without gradients, and the
     decode kernel (with and without the denominator)."""
-    from fractus.bench.linear_attention import make_inputs
     from fractus.kernels import linear_attention as la
     from fractus.model import level_omegas
+    from fractus.verify.cases import attention_case
     H, D, Lv = 8, 64, 2
     # (B, T, decay and a carried state, the loss on the final state)
     for B, T, carried, on_state in ((2, 2048, False, True), (2, 2048, False, False), (1, 2048, False, False),
                                     (2, 100, True, True)):
-        q, k, v, w, g, st = make_inputs(B, T, H, D, Lv, decay=carried, state=carried, dtype=dtype)
+        q, k, v, w, g, st = attention_case(B, T, H, D, Lv, decay=carried, state=carried, dtype=dtype)
         o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
         (o.float().sum() + (S.sum() + z.sum() if on_state else 0)).backward()
     for normalize, on_state in ((True, True), (False, True), (False, False)):  # a decay per (level, head)
-        q, k, v, w, g, st = make_inputs(2, 300, 3, D, Lv, decay="level", state=True, dtype=dtype)
+        q, k, v, w, g, st = attention_case(2, 300, 3, D, Lv, decay="level", state=True, dtype=dtype)
         o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
         (o.float().sum() + (S.sum() + z.sum() if on_state else 0)).backward()
     for T in (512, 2048):  # the forward alone, with a chunk count divisible by 16 and one not
-        q, k, v, w, g, st = make_inputs(2, T, H, D, Lv, dtype=dtype, grad=False)
+        q, k, v, w, g, st = attention_case(2, T, H, D, Lv, dtype=dtype, grad=False)
         la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
     for T, normalize in ((1, True), (5, True), (1, False)):  # decode: one token and a short prefix
-        q, k, v, w, g, st = make_inputs(2, T, H, D, Lv, state=True, dtype=dtype, grad=False)
+        q, k, v, w, g, st = attention_case(2, T, H, D, Lv, state=True, dtype=dtype, grad=False)
         la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
 
 
 def _run_moe(dtype):
     """Low-rank and dense experts forward and backward, in the tokens' dtype and (below fp32) as
     the fp32 masters the model passes under autocast; and the forward alone."""
-    from fractus.bench.moe import make_case
     from fractus.kernels import moe
+    from fractus.verify.cases import moe_case
     for lowrank, d, E, F, r in ((True, 1280, 16, 2048, 64), (False, 512, 8, 512, 0)):
-        x, idx, w, ex = make_case(300, d, E, F, r, 2, lowrank=lowrank, dtype=dtype)
+        x, idx, w, ex = moe_case(300, d, E, F, r, 2, lowrank=lowrank, dtype=dtype)
         masters = {k: v.detach().float().requires_grad_() for k, v in ex.items()}
         for experts in (ex, masters) if dtype != torch.float32 else (ex,):
             moe.moe_triton(x, idx, w, experts).float().sum().backward()
@@ -183,9 +184,9 @@ def _run_moe(dtype):
 
 
 def _run_cross_entropy(dtype):
-    from fractus.bench.cross_entropy import make_case
     from fractus.kernels import cross_entropy as ce
-    h, W, t = make_case(300, 1280, 50257, dtype=dtype)
+    from fractus.verify.cases import cross_entropy_case
+    h, W, t = cross_entropy_case(300, 1280, 50257, dtype=dtype)
     for positions, softcap in ((None, None), (torch.arange(0, 300, 7), 30.0)):
         ce.linear_cross_entropy(h, W, t, positions=positions, softcap=softcap, z_loss=1e-4,
                                 backend="triton").backward()
@@ -194,8 +195,8 @@ def _run_cross_entropy(dtype):
 def _run_kuramoto(dtype):
     if dtype != torch.float32:  # the clock always runs in fp32, whatever the model's dtype
         return
-    from fractus.bench.cases import kuramoto_case
     from fractus.kernels.kuramoto import kuramoto_phase
+    from fractus.verify.cases import kuramoto_case
     for grad in (True, False):  # training (forward and backward) and a decode step (no graph)
         args, dy = kuramoto_case(torch.device("cpu"), small=not grad)
         with torch.set_grad_enabled(grad):
@@ -209,23 +210,49 @@ OPS = {"linear_attention": _run_linear_attention, "moe": _run_moe, "cross_entrop
 
 
 def _run_fla():
-    """fla's chunk_linear_attn as the GPU suite times it (bf16, at T=2048), forward and backward,
-    on the GPU when there is one (its wrappers pick configs by the device they find)."""
-    from fractus.bench.linear_attention import GPU_SHAPE, _fla_fn, make_inputs
-    from fractus.model import level_omegas
-    q, k, v, w, _, _ = make_inputs(T=2048, **GPU_SHAPE, dtype=torch.bfloat16,
-                                   device="cuda" if torch.cuda.is_available() else "cpu")
-    _fla_fn()[0](q, k, v, w, level_omegas(GPU_SHAPE["levels"])).float().sum().backward()
+    """fla's ``chunk_simple_gla`` as the GPU suite times it (:func:`fractus.verify.cases.fla_attention`:
+    bf16, each recurrence at each length, whole and its numerator alone, the forward alone and
+    forward+backward), on the GPU when there is one (its wrappers pick configs by the device they
+    find)."""
+    from fractus.verify import cases
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for recurrence in cases.RECURRENCES:
+        for T in cases.ATTENTION_TS:
+            inputs = cases.timed_attention(recurrence, T=T, device=device, **cases.ATTENTION_GPU)
+            for impl in ("fla", "fla_numerator"):
+                with torch.no_grad():
+                    cases.attention(impl, *inputs)
+                cases.attention_fwd_bwd(impl, *inputs)
 
 
-def _run_bwd64():
-    """The attention's backward in chunks of 64 (``triton_bwd64``) as the GPU suite times it (bf16,
-    at each of its lengths: the chunk count is an argument Triton specialises on divisibility by 16)."""
-    from fractus.bench.linear_attention import GPU_SHAPE, GPU_TS, _fwd_bwd, make_inputs
-    from fractus.model import level_omegas
-    for T in GPU_TS:
-        q, k, v, w, _, _ = make_inputs(T=T, **GPU_SHAPE, dtype=torch.bfloat16)
-        _fwd_bwd("triton_bwd64", q, k, v, w, level_omegas(GPU_SHAPE["levels"]))
+def _run_timings():
+    """The Triton launches of the GPU suite's timings (bf16), as its ``timing_*`` stages make them:
+    the attention of each recurrence at each length (the forward alone, forward+backward, and the
+    backward on chunks of 64: the chunk count is an argument Triton specialises on divisibility by
+    16) and its decode step; the 1b experts at each token count (low-rank) and at the first (dense),
+    forward alone and forward+backward; the 1b head's loss, forward+backward."""
+    from fractus.kernels import cross_entropy as ce
+    from fractus.kernels import moe
+    from fractus.verify import cases
+    shape = cases.ATTENTION_GPU
+    for recurrence in cases.RECURRENCES:
+        for T in cases.ATTENTION_TS:
+            inputs = cases.timed_attention(recurrence, T=T, **shape)
+            with torch.no_grad():
+                cases.attention("triton", *inputs)
+            for impl in ("triton", "triton_bwd64"):
+                cases.attention_fwd_bwd(impl, *inputs)
+        with torch.no_grad():
+            cases.attention("triton", *cases.timed_attention(recurrence, 1, 1, shape["H"], shape["D"],
+                                                             shape["levels"], grad=False))
+    bf16 = torch.bfloat16
+    for N, lowrank in [(N, True) for N in cases.MOE_TOKENS] + [(cases.MOE_TOKENS[0], False)]:
+        x, idx, w, ex = cases.moe_case(N, **cases.MOE_GPU, lowrank=lowrank, dtype=bf16)
+        with torch.no_grad():
+            moe.moe(x, idx, w, ex, backend="triton")
+        cases.moe_fwd_bwd(lambda *a: moe.moe(*a, backend="triton"), x, idx, w, ex)
+    cases.cross_entropy_fwd_bwd(lambda *a: ce.linear_cross_entropy(*a, backend="triton"),
+                                *cases.cross_entropy_case(**cases.CROSS_ENTROPY_GPU, dtype=bf16))
 
 
 def _run_offsets():
@@ -236,9 +263,9 @@ def _run_offsets():
 
 
 # what the GPU suite launches beside the ops' and the presets' steps: (module, what to run); every
-# module of the module's package is captured. The baselines it times side by side (when installed),
-# the attention's chunk-64 backward variant and the checks at offsets past 2³¹ elements.
-EXTRAS = {"fla": ("fla.ops.linear_attn", _run_fla), "bwd64": ("fractus.kernels.linear_attention", _run_bwd64),
+# module of the module's package is captured. The baseline it times side by side (when installed),
+# its timings' own launches and the checks at offsets past 2³¹ elements.
+EXTRAS = {"fla": ("fla.ops.simple_gla", _run_fla), "timings": ("fractus.kernels.linear_attention", _run_timings),
           "offsets": ("fractus.verify.offsets", _run_offsets)}
 PRESETS = ("palier0", "palier1", "palier2", "palier3", "1b")
 
@@ -250,8 +277,8 @@ def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int 
     weight gradients), under bf16 autocast (``bf16``), then a decode step: what training and
     generation launch (defaults: the GPU suite's setting, 8 streams × 128 tokens, every position
     scored). ``steps=0``: generation as the GPU suite times it instead. ``overrides`` go to the config."""
-    from fractus.bench.cases import GEN_PROMPT
     from fractus.model import FractusConfig, FractusCTE
+    from fractus.verify.cases import GEN_PROMPT
     from fractus.train import autocast, micro_steps, set_active_blocks
     cfg = FractusConfig.preset(preset, chunk_len=chunk_len, backend="triton", **overrides)
     torch.manual_seed(0)
@@ -380,16 +407,17 @@ def _mma(ptx: str) -> str:
 
 
 def compile_rows(arch: int = 90, ops=tuple(OPS), dtypes=TABLE_DTYPES,
-                 all_configs: bool = True, presets=()) -> list[dict]:
+                 all_configs: bool = True, presets=(), extras=("timings",)) -> list[dict]:
     """One row per distinct compiled kernel (op, kernel, input dtype, constexprs, warps, stages):
     whether it compiled for sm_``arch``, the matrix instructions, registers, spill and stack bytes, shared memory and
     whether it fits, and the compile seconds (near 0 when Triton's cache already held it).
     A failure is a row with its error. ``all_configs=False``: the first autotune config only.
-    ``presets``: also each preset's training step and decode step (op ``model[preset]``); a kernel
-    an earlier op compiled is listed again with its compile seconds near 0."""
+    ``presets``: also each preset's training step and decode step (op ``model[preset]``), and
+    ``extras`` (op ``extra[name]``, :data:`EXTRAS`: by default the GPU suite's timed launches); a
+    kernel an earlier op compiled is listed again with its compile seconds near 0."""
     check_environment()
     from triton.runtime.driver import driver
-    captured = launches(ops, dtypes, presets)
+    captured = launches(ops, dtypes, presets, extras)
     previous = driver._active
     driver.set_active(_offline_driver(arch))
     rows, seen = [], set()

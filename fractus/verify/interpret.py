@@ -92,20 +92,29 @@ def install() -> None:
         return
     _installed = True
     B, R, S = _Builder, _interp.ReduceOps, _interp.ScanOps
+    for name, method in _bf16_builder(B).items():
+        setattr(B, name, method)
+    R.sum, R.min_max = _on_values(R.sum), _on_values(R.min_max)
+    S.cumsum, S.cumprod = _on_values(S.cumsum), _on_values(S.cumprod)
+
+
+def _is_fp8(ty) -> bool:
+    return ty.scalar.is_floating() and ty.scalar.primitive_bitwidth == 8
+
+
+def _bf16_builder(B) -> dict:
+    """The builder's methods that bf16 and tf32 reach, by name, each wrapping ``B``'s own."""
     cast, to_fp, binary, unary, ternary, fma, dot = (
         B.cast_impl, B.create_fp_to_fp, B.binary_op, B.unary_op, B.ternary_op, B.create_fma, B.create_dot)
-
-    def is_fp8(ty) -> bool:
-        return ty.scalar.is_floating() and ty.scalar.primitive_bitwidth == 8
 
     def cast_impl(self, src, dst_type, rounding_mode=None):
         """Casts to and from bf16 by value (fp8's through fp32 by the interpreter's own conversion)."""
         dst = dst_type.scalar
         if dst == tl.bfloat16 and not _is_bf16(src):
-            values = to_fp(self, src, tl.float32, None).data if is_fp8(src.dtype) else src.data.astype(np.float32)
+            values = to_fp(self, src, tl.float32, None).data if _is_fp8(src.dtype) else src.data.astype(np.float32)
             return _Handle(bf16_bits(values, rounding_mode == ir.ROUNDING_MODE.RTZ), tl.bfloat16)
         if _is_bf16(src) and dst != tl.bfloat16:
-            if is_fp8(dst_type):
+            if _is_fp8(dst_type):
                 return to_fp(self, _f32(src), dst_type, rounding_mode)
             return _Handle(bf16_values(src.data).astype(_interp._get_np_dtype(dst_type)), dst)
         return cast(self, src, dst_type)
@@ -141,27 +150,26 @@ def install() -> None:
                     if x.data.dtype == np.float32 else x for x in (a, b))
         return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
-    B.cast_impl, B.create_fp_to_fp, B.binary_op, B.unary_op, B.ternary_op = (
-        cast_impl, create_fp_to_fp, binary_op, unary_op, ternary_op)
-    B.create_fma, B.create_dot = create_fma, create_dot
+    return dict(cast_impl=cast_impl, create_fp_to_fp=create_fp_to_fp, binary_op=binary_op, unary_op=unary_op,
+                ternary_op=ternary_op, create_fma=create_fma, create_dot=create_dot)
 
-    def on_values(method):
-        """A reduction or scan of bf16 computed on its fp32 values and rounded back."""
-        def run(self, input, *args, **kw):
-            values = input[0] if isinstance(input, tuple) else input  # min_max may get (values, indices)
-            if values.dtype.scalar != tl.bfloat16:
-                return method(self, input, *args, **kw)
-            out = method(self, self.to_tensor(bf16_values(values.handle.data), tl.float32), *args, **kw)
-            return type(out)(map(to_bf16, out)) if isinstance(out, (list, tuple)) else to_bf16(out)
-        return run
 
-    def to_bf16(t):
-        if t.dtype.scalar != tl.float32:
-            return t
-        return tl.core.tensor(_Handle(bf16_bits(t.handle.data), tl.bfloat16), t.type.with_element_ty(tl.bfloat16))
+def _on_values(method):
+    """A reduction or scan of bf16 computed on its fp32 values and rounded back."""
+    def run(self, input, *args, **kw):
+        values = input[0] if isinstance(input, tuple) else input  # min_max may get (values, indices)
+        if values.dtype.scalar != tl.bfloat16:
+            return method(self, input, *args, **kw)
+        out = method(self, self.to_tensor(bf16_values(values.handle.data), tl.float32), *args, **kw)
+        return type(out)(map(_to_bf16, out)) if isinstance(out, (list, tuple)) else _to_bf16(out)
+    return run
 
-    R.sum, R.min_max = on_values(R.sum), on_values(R.min_max)
-    S.cumsum, S.cumprod = on_values(S.cumsum), on_values(S.cumprod)
+
+def _to_bf16(t):
+    """A tensor of fp32 rounded to bf16 (others as they are)."""
+    if t.dtype.scalar != tl.float32:
+        return t
+    return tl.core.tensor(_Handle(bf16_bits(t.handle.data), tl.bfloat16), t.type.with_element_ty(tl.bfloat16))
 
 
 _NONE = object()
@@ -214,9 +222,18 @@ def address_check(last: int = 1):
     if getattr(G.__call__, "address_check", False):
         raise RuntimeError("address_check is already on: its launches would select programs twice")
     saved = (B.binary_op, B.create_int_cast, B.create_get_program_id, B.create_get_num_programs, G.__call__)
-    binary, int_cast, run = saved[0], saved[1], saved[4]
-    grid, programs = (1, 1, 1), []  # the launch's full grid, the programs that run
+    B.binary_op, B.create_int_cast = _checked_offsets(B.binary_op, B.create_int_cast)
+    B.create_get_program_id, B.create_get_num_programs, G.__call__ = _last_programs(last, G.__call__)
+    try:
+        yield
+    finally:
+        (B.binary_op, B.create_int_cast, B.create_get_program_id, B.create_get_num_programs,
+         G.__call__) = saved
 
+
+def _checked_offsets(binary, int_cast):
+    """The builder's ``binary_op`` and ``create_int_cast`` (wrapping ``binary`` and ``int_cast``),
+    raising where int32 arithmetic or a cast to int32 leaves int32's range."""
     def binary_op(self, lhs, rhs, op):
         out = binary(self, lhs, rhs, op)
         if op in _WRAPPING and out.dtype == tl.int32:
@@ -231,6 +248,15 @@ def address_check(last: int = 1):
             if np.any((exact < -2**31) | (exact >= 2**31)):
                 raise _int32_range_error("cast", exact)
         return int_cast(self, src, dst_type, is_signed)
+    return binary_op, create_int_cast
+
+
+def _last_programs(last: int, run):
+    """The builder's ``create_get_program_id`` and ``create_get_num_programs`` and the grid
+    executor's ``__call__`` (wrapping ``run``): each launch runs only its last ``last`` programs
+    along axis 0 (the last along the others) with ``range`` typed as a GPU types it, while the
+    programs see the full grid."""
+    grid, programs = (1, 1, 1), []  # the launch's full grid, the programs that run
 
     def program_id(self, axis):
         return _Handle(np.array([programs[self.grid_idx[0]][axis]], dtype=np.int32), tl.int32)
@@ -262,10 +288,4 @@ def address_check(last: int = 1):
                 scope["range"] = own
 
     call.address_check = True
-    B.binary_op, B.create_int_cast, B.create_get_program_id, B.create_get_num_programs, G.__call__ = (
-        binary_op, create_int_cast, program_id, num_programs, call)
-    try:
-        yield
-    finally:
-        (B.binary_op, B.create_int_cast, B.create_get_program_id, B.create_get_num_programs,
-         G.__call__) = saved
+    return program_id, num_programs, call

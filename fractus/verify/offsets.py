@@ -17,14 +17,16 @@ counted (not measured): attention about 60 GB, its decode kernel 38 GB, cross-en
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
-from fractus.bench import common
 from fractus.kernels.cross_entropy import linear_cross_entropy
 from fractus.kernels.kuramoto import kuramoto_phase, kuramoto_phase_reference
 from fractus.kernels.linear_attention import linear_attention
 from fractus.kernels.moe import moe
 from fractus.model import level_omegas
+from fractus.verify.checks import check_rows, error_row
 
 PAST = 2 ** 31  # elements: the first offset int32 cannot hold
 TAIL = 4  # sequences, tokens or rows checked at the end of each buffer
@@ -57,7 +59,7 @@ def _tails(*xs):
 
 
 def _rows(kernel, dtype, names, got, truth, same):
-    return common.check_rows(kernel, dtype, names, got, truth, same, margin=MARGIN, truth_name="fp64 reference")
+    return check_rows(kernel, dtype, names, got, truth, same, margin=MARGIN, truth_name="fp64 reference")
 
 
 def attention_rows(device, scale: str, gen) -> list[dict]:
@@ -126,7 +128,7 @@ def _cross_entropy_case(device, scale: str, gen, case: str, N: int, V: int, d: i
     sel = slice(N - TAIL, N) if case == "rows" else slice(None)
     names = ("ce", "dh") if case == "rows" else ("loss", "dh", "dW")
     kernel = f"cross_entropy[{_label(scale)} ({case}): N={N} d={d} V={V}]"
-    return common.check_rows(kernel, dtype, names, run("triton", dtype), run("reference", torch.float32, sel),
+    return check_rows(kernel, dtype, names, run("triton", dtype), run("reference", torch.float32, sel),
                              run("torch", dtype, sel), margin=MARGIN)
 
 
@@ -172,7 +174,7 @@ def _moe_case(device, scale: str, gen, lowrank: bool) -> list[dict]:
     tail = slice(N - TAIL, N)
     experts = f"r={r}" if lowrank else "dense"
     kernel = f"moe[{_label(scale)}: N={N} d={d} E={E} F={F} {experts} K={K}]"
-    return common.check_rows(kernel, dtype, ("y", "dx", "dw"), run("triton", dtype),
+    return check_rows(kernel, dtype, ("y", "dx", "dw"), run("triton", dtype),
                              run("reference", torch.float32, tail), run("torch", dtype, tail), margin=MARGIN)
 
 
@@ -203,7 +205,7 @@ def kuramoto_rows(device, scale: str, gen) -> list[dict]:
         return _tails(psi, *torch.autograd.grad(psi, th, dpsi[rows].to(dt_)))
     tail = slice(M - TAIL, M)
     got = run(lambda *a: kuramoto_phase(*a, backend="triton"), torch.float32)
-    return common.check_rows(f"kuramoto_phase[{_label(scale)}: M={M} N={N}]", torch.float32, ("psi", "dtheta"),
+    return check_rows(f"kuramoto_phase[{_label(scale)}: M={M} N={N}]", torch.float32, ("psi", "dtheta"),
                              got, run(kuramoto_phase_reference, torch.float64, tail),
                              run(kuramoto_phase_reference, torch.float32, tail), margin=1e-4,
                              truth_name="fp64 autograd")
@@ -219,17 +221,15 @@ def run_cases(device, scale: str) -> list[dict]:
     return [r for fn in CASES.values() for r in fn(torch.device(device), scale, torch.Generator(device).manual_seed(0))]
 
 
-def correctness_rows(device, smoke: bool = False) -> list[dict]:
-    """Every op's case (each freeing its buffers before the next); an op that raises (out of
-    memory, say) is recorded as a failed row and the others still run."""
+def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
+    """Every op's case (each freeing its buffers before the next), yielded a case at a time; an op
+    that raises (out of memory, say) is recorded as a failed row and the others still run."""
     device, scale = torch.device(device), "smoke" if smoke else "full"
-    rows = []
     for name, fn in CASES.items():
         gen = torch.Generator(device).manual_seed(0)
         try:
-            rows += fn(device, scale, gen)
+            yield from fn(device, scale, gen)
         except Exception as exc:  # recorded, not raised
-            rows.append(common.error_row(f"{name}[{_label(scale)}]", torch.bfloat16, exc))
+            yield error_row(f"{name}[{_label(scale)}]", torch.bfloat16, exc)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return rows

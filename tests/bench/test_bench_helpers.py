@@ -11,7 +11,7 @@ from fractus.bench import costmodel as cm
 from fractus.bench import optimizations as O
 from fractus.bench import probes as PR
 from fractus.bench import profile as P
-from fractus.model import FractusConfig, FractusCTE, level_omegas
+from fractus.model import FractusConfig, FractusCTE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -329,28 +329,6 @@ def test_gpu_launch_count_grows_with_layers_not_experts():
     assert P.gpu_launch_count(setup(n_layers=1, n_experts=16)) == one
     cpu = [P.op_count(setup(n_layers=1, n_experts=e))["ops"] for e in (4, 16)]
     assert cpu[1] > cpu[0]
-
-
-def test_fla_baseline_computes_the_models_attention(monkeypatch):
-    """The fla baseline times the model's attention: its wrapper (feature maps per level, levels
-    folded into heads, fla's own normalisation) equals the reference, with fla's naive recurrent
-    form in place of its chunked kernels (those do not run in the interpreter; the GPU suite
-    compares their output too)."""
-    import fla.ops.linear_attn as fla_la
-    from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
-    from fractus.bench import common
-    from fractus.bench import linear_attention as bl
-
-    def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
-        return naive_recurrent_linear_attn(q, k, v, scale, initial_state, output_final_state, normalize)
-    monkeypatch.setattr(fla_la, "chunk_linear_attn", chunk_linear_attn)
-    bl._fla_fn.cache_clear()
-    try:
-        q, k, v, w, _, _ = bl.make_inputs(2, 37, 3, 16, 2)
-        oms = level_omegas(2)
-        assert common.rel_err(bl._run("fla", q, k, v, w, oms), bl._run("reference", q, k, v, w, oms)) < 1e-5
-    finally:
-        bl._fla_fn.cache_clear()
 
 
 def test_speeds_are_interleaved_and_ratios_taken_round_by_round(monkeypatch):

@@ -46,13 +46,18 @@ def test_gpu_suite_dry_run(dry_run):
     # The timings run in bf16, as on the GPU: agreement within bf16's rounding (measured: 2e-3 to 4e-3)
     ce = pd.read_csv(tmp_path / "timing_cross_entropy.csv").set_index("impl")
     assert (ce.loc[["triton", "liger"], ["rel_err_loss", "rel_err_dh", "rel_err_dw"]] < 1e-2).all().all()
-    la = pd.read_csv(tmp_path / "timing_linear_attention.csv")
-    assert (la["dtype"] == "bfloat16").all()
-    fwd = la[la["mode"] == "fwd"].set_index("impl")
-    assert (fwd.loc[["triton", "torch", "materialising"], "rel_err_vs_torch"] < 1e-2).all()
-    assert fwd.loc["fla", "note"].startswith("error:")
-    target = la[(la["mode"] == "fwd+bwd") & (la["impl"] == "triton")].iloc[0]
-    assert target["target"].startswith("fwd+bwd <= 1.25x fla") and target["note"] == "target not measured: fla failed"
+    la = pd.read_csv(tmp_path / "timing_linear_attention.csv")  # the default's recurrence and the original's
+    assert (la["dtype"] == "bfloat16").all() and list(la["kind"].unique()) == ["default", "original"]
+    for kind, t in la.groupby("kind"):
+        fwd = t[t["mode"] == "fwd"].set_index("impl")
+        assert (fwd.loc[["triton", "torch"], "rel_err_vs_torch"] < 1e-2).all(), kind
+        assert fwd.loc[["fla", "fla_numerator"], "note"].str.startswith("error:").all()  # fla's kernels: not on CPU
+        assert set(t.loc[t["mode"] == "fwd+bwd", "impl"]) == {"triton", "triton_bwd64", "torch", "fla", "fla_numerator"}
+        assert set(t.loc[t["mode"] == "decode", "impl"]) == {"triton", "torch"}
+    target = la[la["target"].notna()]  # the default's forward+backward, and its decode step
+    assert list(target["mode"]) == ["fwd+bwd", "decode"] and (target["kind"] == "default").all()
+    assert target.iloc[0]["target"].startswith("fwd+bwd <= 1.25x fla")
+    assert target.iloc[0]["note"] == "target not measured: fla failed"
     for k in (*KERNELS, "kuramoto"):  # every timing with its derived rates
         t = pd.read_csv(tmp_path / f"timing_{k}.csv").dropna(subset=["time_s"])
         assert len(t) and (t[["time_s", "tflops", "gbps"]] > 0).all().all(), k
@@ -310,7 +315,7 @@ def test_a_failing_moe_implementation_keeps_the_others_rows(monkeypatch):
             return fail
         return real(name)
     monkeypatch.setattr(moe, "_impl", impl)
-    rows = moe.gpu_rows(smoke=True)
+    rows = list(moe.gpu_rows(smoke=True))
     loop = [r for r in rows if r["impl"] == "loop"]
     assert loop and all(r["note"].startswith("error: OutOfMemoryError") and "time_s" not in r for r in loop)
     tri = [r for r in rows if r["impl"] == "triton" and r["kind"] == "lowrank"]
@@ -324,7 +329,7 @@ def test_an_offsets_case_that_fails_keeps_the_others_rows(monkeypatch):
     def fail(device, scale, gen):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setitem(offsets.CASES, "moe", fail)
-    rows = offsets.correctness_rows("cpu", smoke=True)
+    rows = list(offsets.correctness_rows("cpu", smoke=True))
     bad = [r for r in rows if not r["passed"]]
     assert [r["kernel"] for r in bad] == ["moe[offsets (smoke: small)]"] and "OutOfMemoryError" in bad[0]["check"]
     assert len(rows) == 20 and {r["kernel"].split("[")[0] for r in rows} == {

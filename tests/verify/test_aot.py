@@ -90,9 +90,9 @@ def test_specialisations_follow_heuristics_and_pruned_autotune_configs():
 
 
 def test_fla_launches_are_captured_and_compile_for_sm90():
-    """The GPU suite precompiles fla's kernels with ours: the launches of its chunk_linear_attn, as
-    the suite times it (forward and backward), are captured through fla's wrappers, and each
-    compiles for sm_90 (first autotune config)."""
+    """The GPU suite precompiles fla's kernels with ours: the launches of its chunk_simple_gla, as
+    the suite times it (each recurrence, forward and backward), are captured through fla's
+    wrappers, and each compiles for sm_90 (first autotune config)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("from fractus.verify import aot\n"
             "from triton.runtime.driver import driver\n"
@@ -183,17 +183,17 @@ def test_precompile_covers_what_the_suite_stages_launch():
     setup on the Triton kernels (bf16, and the fp32 variant), every profile setup, generation. The
     kernels' checks at their full sizes (fp32 and bf16, the MoE's fp32 master experts, B=1), and
     their timings' Triton launches (forward alone and forward+backward, the attention's chunk-64
-    backward). The stages run on CPU with launches captured (their losses are garbage: nothing is
-    launched) and bf16 matmuls computed in fp32, as the precompile's captures run; CPU autocast
+    backward, each recurrence, the decode step). The stages run on CPU with launches captured (their
+    losses are garbage: nothing is launched) and bf16 matmuls computed in fp32, as the precompile's captures run; CPU autocast
     stands for CUDA's, as the model casts the kernels' inputs to the autocast dtype itself."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = """
 import torch
 from fractus.bench import cross_entropy as ce, linear_attention as la, moe, optimizations, profile, throughput
-from fractus.verify import aot
-from fractus.bench.cases import GEN_PROMPT
+from fractus.verify import aot, cases
+from fractus.verify.cases import GEN_PROMPT
 from fractus.bench.gpu import kuramoto_rows, model_runs, train_setup
-from fractus.model import FractusConfig, FractusCTE, level_omegas
+from fractus.model import FractusConfig, FractusCTE
 steps = throughput.micro_steps
 throughput.micro_steps = lambda *a, **k: (*steps(*a, **k)[:3], True)  # captured kernels leave garbage
 
@@ -211,21 +211,25 @@ def generate():
         FractusCTE(FractusConfig.preset("palier0", backend="triton")).eval().generate(GEN_PROMPT, 2, temperature=0)
 
 def timings():  # the Triton launches of each kernel's gpu_rows (the baselines launch none of ours)
-    bf16, oms = torch.bfloat16, level_omegas(la.GPU_SHAPE["levels"])
-    for T in la.GPU_TS:
-        q, k, v, w, _, _ = la.make_inputs(T=T, **la.GPU_SHAPE, dtype=bf16)
-        with torch.no_grad():
-            la._run("triton", q, k, v, w, oms)
-        for impl in ("triton", "triton_bwd64"):
-            la._fwd_bwd(impl, q, k, v, w, oms)
-    for N, lowrank in [(N, True) for N in moe.GPU_TOKENS] + [(moe.GPU_TOKENS[0], False)]:
-        x, idx, w, ex = moe.make_case(N, **moe.ONE_B, lowrank=lowrank, dtype=bf16)
+    bf16, shape = torch.bfloat16, cases.ATTENTION_GPU
+    for recurrence in cases.RECURRENCES:
+        for T in cases.ATTENTION_TS:
+            inputs = cases.timed_attention(recurrence, T=T, **shape)
+            with torch.no_grad():
+                cases.attention("triton", *inputs)
+            for impl in ("triton", "triton_bwd64"):
+                cases.attention_fwd_bwd(impl, *inputs)
+        with torch.no_grad():  # the decode step
+            cases.attention("triton", *cases.timed_attention(recurrence, 1, 1, shape["H"], shape["D"], shape["levels"],
+                                                             grad=False))
+    for N, lowrank in [(N, True) for N in cases.MOE_TOKENS] + [(cases.MOE_TOKENS[0], False)]:
+        x, idx, w, ex = cases.moe_case(N, **cases.MOE_GPU, lowrank=lowrank, dtype=bf16)
         with torch.no_grad():
             moe._impl("triton")(x, idx, w, ex)
-        moe._fwd_bwd(moe._impl("triton"), x, idx, w, ex)
-    ce._fwd_bwd(ce._impl("triton"), *ce.make_case(**ce.GPU_CASE, dtype=bf16))
+        cases.moe_fwd_bwd(moe._impl("triton"), x, idx, w, ex)
+    cases.cross_entropy_fwd_bwd(ce._impl("triton"), *cases.cross_entropy_case(**cases.CROSS_ENTROPY_GPU, dtype=bf16))
 
-pre = keys(aot.launches(presets=model_runs(), extras=("bwd64",)))
+pre = keys(aot.launches(presets=model_runs(), extras=("timings",)))
 plan = optimizations.gpu_plan(cuda=True)
 kw = dict(min_tokens=0, min_steps=1, warmup=1, device="cpu", backend="triton")
 needed = {**stage(lambda: throughput.measure_training("palier0", **train_setup("palier0", 128, 64).trainer_kwargs(),
@@ -236,7 +240,7 @@ setups = [(r, bf16) for _, _, r, bf16, backend in plan if backend != "torch"]
 for r, bf16 in setups + [(r, True) for _, r in profile.gpu_setups(cuda=True)]:
     needed.update(stage(lambda: optimizations.measure_speed(r, bf16=bf16, **kw)))
 for bench in (la, moe, ce):
-    needed.update(stage(lambda: bench.correctness_rows("cpu")))
+    needed.update(stage(lambda: list(bench.correctness_rows("cpu"))))
 missing = sorted({n for k, n in needed.items() if k not in pre})
 print(len(needed), len(pre), "missing:", missing)
 assert not missing and len(needed) > 100
