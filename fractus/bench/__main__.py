@@ -1,16 +1,20 @@
-"""``python -m fractus.bench cpu|aot|gpu``.
+"""``python -m fractus.bench cpu|costmodel|aot|gpu``.
 
 ``cpu`` measures training throughput and each op's PyTorch path against its baseline and
-writes ``results/*_cpu.csv`` (tiny sizes under FRACTUS_SMOKE=1). ``aot`` compiles every Triton
-kernel for sm_90 (H100/H200) without a GPU and writes ``results/aot_sm90.csv``
-(:mod:`fractus.verify.aot`). ``gpu`` is the GPU suite (:mod:`fractus.bench.gpu`); ``--dry-run``
-runs its code paths on CPU at tiny sizes.
+writes ``results/*_cpu.csv`` (tiny sizes under FRACTUS_SMOKE=1). ``costmodel`` fits this CPU's
+cost model on micro-benchmarks, checks it against measured training steps
+(:mod:`fractus.bench.cpu_costmodel`) and writes the same model's H200 column
+(:func:`fractus.bench.costmodel.h200_rows`): ``results/costmodel_{cpu_fit,cpu_check,h200}.csv``
+(tiny sizes under FRACTUS_SMOKE=1). ``aot`` compiles every Triton kernel for sm_90 (H100/H200)
+without a GPU and writes ``results/aot_sm90.csv`` (:mod:`fractus.verify.aot`). ``gpu`` is the GPU
+suite (:mod:`fractus.bench.gpu`); ``--dry-run`` runs its code paths on CPU at tiny sizes.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +39,23 @@ def run_cpu(out: Path, only: list[str]) -> None:
         path = write_csv(out / f"{name}_cpu.csv", rows)
         print(f"\n== {name} → {path}")
         print(pd.DataFrame(rows).to_string(index=False, max_colwidth=28))
+
+
+def run_costmodel(out: Path) -> None:
+    """This CPU's cost model, fitted and checked (:func:`fractus.bench.cpu_costmodel.run`), and its
+    H200 column at the host's per-op cost measured here → ``out/costmodel_{cpu_fit,cpu_check,h200}.csv``."""
+    from fractus.bench import costmodel, cpu_costmodel
+    from fractus.bench.gpu import TRAIN_SWEEP, train_setup
+    fitted, checked = cpu_costmodel.run(out, smoke=SMOKE)
+    print("\n== this CPU: predicted vs measured step time → "
+          f"{out / 'costmodel_cpu_fit.csv'}, {out / 'costmodel_cpu_check.csv'}")
+    print(pd.DataFrame(checked)[["preset", "batch_size", "predicted_step_s", "measured_step_s", "measured_low_s",
+                                 "measured_high_s", "error", "within_15pct"]].to_string(index=False))
+    host_op_s = statistics.median(r["host_op_us"] for r in fitted) / 1e6
+    rows = costmodel.h200_rows(TRAIN_SWEEP, train_setup, host_op_s)
+    path = write_csv(out / "costmodel_h200.csv", rows)
+    print(f"\n== the H200 column (host {1e6 * host_op_s:.1f} µs per op) → {path}")
+    print(pd.DataFrame(rows).drop(columns=["launches", "host_op_us"]).to_string(index=False))
 
 
 def run_aot(out: Path, arch: int, quick: bool, presets: list[str], workers: int = 1) -> int:
@@ -69,6 +90,9 @@ def main(argv=None) -> None:
     c = sub.add_parser("cpu", help="CPU benchmarks → OUT/*_cpu.csv")
     c.add_argument("--out", default="results")
     c.add_argument("--only", nargs="*", default=list(SUBJECTS), choices=SUBJECTS)
+    m = sub.add_parser("costmodel", help="this CPU's cost model, fitted and checked, and its H200 column "
+                                         "→ OUT/costmodel_{cpu_fit,cpu_check,h200}.csv")
+    m.add_argument("--out", default="results")
     t = sub.add_parser("aot", help="compile every Triton kernel for an NVIDIA target, no GPU → OUT/aot_smARCH.csv")
     t.add_argument("--out", default="results")
     t.add_argument("--arch", type=int, default=90, choices=sorted(aot.SHARED_LIMIT))
@@ -96,6 +120,8 @@ def run(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """The parsed command ``a``."""
     if a.cmd == "cpu":
         run_cpu(Path(a.out), a.only)
+    elif a.cmd == "costmodel":
+        run_costmodel(Path(a.out))
     elif a.cmd == "aot":
         try:
             aot.check_environment()

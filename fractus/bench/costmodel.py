@@ -6,7 +6,9 @@ Counting rules (per token, forward; a multiply-add is 2 FLOPs):
 - attention: q/k/v and output projections (8·d²; the output gate's projection 2·d² more), the
   short convolution (2·3d·W), the feature maps, and the chunked algorithm the kernels run: per
   level, an intra-chunk part over ``attn_chunk`` positions (4·d·c) and the D×D state read and
-  update (4·d·D); ``attn_chunk=1`` is the plain recurrence.
+  update (4·d·D); ``attn_chunk=1`` is the plain recurrence. A softmax window level
+  (``attn_window`` = W) reads each block of Q = min(W, chunk) queries against its Q + W − 1 keys:
+  4·d·(Q + W − 1) for the scores and their weighted values, a softmax over them, RoPE on q and k.
 - kuramoto: the encoder (2·d·N) and ``kuramoto_steps`` RK4 steps of 4 rate evaluations
   (the low-rank coupling products 8·N·r of the PyTorch path; the Triton kernels multiply by the
   dense K = U diag(λ) Uᵀ, 4·N², the same at every preset's r = N/2; sin/cos counted as
@@ -27,6 +29,11 @@ fp32) and twice more in the backward; weights are read once in the forward and r
 written + accumulated in the backward, shared by the ``batch_tokens`` tokens of a micro-step.
 The roofline time of a component is max(FLOPs / peak FLOP/s, bytes / peak B/s); a step adds the
 optimizer's memory traffic and a per-op dispatch cost (``n_ops`` × ``op_overhead_s``).
+
+On a GPU (:func:`gpu_step`) the model is the one :mod:`fractus.bench.cpu_costmodel` checks on this
+CPU, a step's work plus a host cost per op, with the work counted here (the GPU's path does not run
+on a CPU) at the GPU's peak rates, and the host's launches overlapping the device's work: eager CUDA
+queues kernels ahead of the device, where a CPU runs each op as it is dispatched.
 """
 from __future__ import annotations
 
@@ -45,8 +52,8 @@ GELU_FLOPS = 2.0 + TRANSCENDENTAL
 OPT_VALUES = {"adamw": 7, "sgd": 5, "rmsprop": 5}
 OPT_FLOPS = {"adamw": 12, "sgd": 4, "rmsprop": 6}
 
-# NVIDIA H200 SXM datasheet peaks (dense): plotted as labelled "datasheet" lines only.
-H200_DATASHEET = {"hbm_gbs": 4800.0, "bf16_tflops": 989.0, "tf32_tflops": 494.0, "fp32_tflops": 67.0}
+# NVIDIA H200 SXM datasheet peaks (dense) and memory.
+H200_DATASHEET = {"hbm_gbs": 4800.0, "bf16_tflops": 989.0, "tf32_tflops": 494.0, "fp32_tflops": 67.0, "memory_gb": 141.0}
 H200_NVL_BF16_TFLOPS = 835.5  # the H200 NVL card (also 141 GB): 1,671 TFLOP/s bf16 with sparsity
 
 
@@ -58,6 +65,12 @@ def _head_share(cfg: FractusConfig, head_positions: str) -> float:
     if head_positions not in ("all", "last"):
         raise ValueError(f"head_positions must be 'all' or 'last', got {head_positions!r}")
     return 1.0 if head_positions == "all" else 1.0 / cfg.chunk_len
+
+
+def _window_keys(cfg: FractusConfig) -> int:
+    """Keys each query of the softmax window level scores (0 without one): its block's Q =
+    min(W, chunk) queries read Q + W − 1 keys."""
+    return min(cfg.attn_window, cfg.chunk_len) + cfg.attn_window - 1 if cfg.attn_window else 0
 
 
 def _norms(cfg: FractusConfig) -> int:
@@ -75,6 +88,9 @@ def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | No
     attn_mm = (8 + 2 * gate) * d * d + Lv * (4 * d * c + 4 * d * D)
     attn_ew = Lv * 2 * d * (TRANSCENDENTAL + 2) + Lv * 3 * d + 2 * d  # features, divide, mix, residual
     attn_ew += 2 * 3 * d * W + gate * d * (TRANSCENDENTAL + 3) + (cfg.attn_norm == "rms") * d * NORM_FLOPS
+    keys = _window_keys(cfg)
+    attn_mm += 4 * d * keys
+    attn_ew += (keys > 0) * (cfg.n_heads * keys * (TRANSCENDENTAL + 3) + 2 * 3 * d + 2 * d)  # softmax, RoPE, mix
     rate_mm = 8 * N * r_c
     rate_ew = 2 * N * TRANSCENDENTAL + 8 * N
     clock = cfg.router == "phase"  # the linear router has no clock
@@ -120,7 +136,7 @@ def weight_counts(cfg: FractusConfig) -> dict[str, int]:
     Fs = cfg.shared_expert
     gate = cfg.attn_gate
     attention = (4 + gate) * d * d + (4 + gate) * d + cfg.n_levels + 3 * d * cfg.short_conv
-    attention += d * (cfg.attn_norm == "rms")
+    attention += d * (cfg.attn_norm == "rms") + (cfg.attn_window > 0)  # the window level's logit
     return {"embedding": cfg.vocab_size * d,
             "attention": L * attention,
             "kuramoto": L * (d * N + N + N + N * cfg.coupling_rank + cfg.coupling_rank) * (cfg.router == "phase"),
@@ -142,6 +158,8 @@ def _activation_elems(cfg: FractusConfig, head_positions: str, attn_chunk: int |
     c = _attn_chunk(cfg, attn_chunk)
     attn = 4 * d + 4 * d + Lv * 4 * d + Lv * 4 * d + 2 * d + 3 * d  # qkv, features, chunks, out, residual
     attn += 2 * 3 * d * (cfg.short_conv > 0) + 3 * d * cfg.attn_gate  # the convolution, the gate
+    keys = _window_keys(cfg)
+    attn += (keys > 0) * (8 * d + H * keys)  # the window: rotated q and k, keys, values, y; scores
     state = Lv * H * D * (D + 1) * 2 / c  # S read + written once per chunk
     kur = (2 * d + N + cfg.kuramoto_steps * 4 * 10 * N + 2 * N) * (cfg.router == "phase")
     inner = (r if r > 0 else 0) * 2 + Fd * 3
@@ -252,3 +270,69 @@ def active_params(cfg: FractusConfig) -> int:
 def chinchilla_tokens(cfg: FractusConfig, per_param: float = 20.0, active: bool = False) -> float:
     """``per_param`` tokens per parameter (all parameters, or those one token uses)."""
     return per_param * (active_params(cfg) if active else num_params(cfg))
+
+
+# ----------------------------------------------------------------------------- a GPU's step
+OPT_STATE = {"adamw": 2, "sgd": 1, "rmsprop": 1}  # fp32 values of optimizer state per parameter
+
+
+def training_memory(cfg: FractusConfig, batch_tokens: int, optimizer: str, dtype_bytes: int = 2) -> float:
+    """Bytes a micro-step of ``batch_tokens`` tokens holds at its peak, estimated: the fp32
+    parameters, their gradients and the optimizer's state, and per token the forward's activation
+    traffic (:func:`bytes_per_token`'s, without the weights) as what the backward keeps."""
+    acts = _activation_elems(cfg, "all", None, cfg.fused_ce)
+    per_token = sum((elems - state) * dtype_bytes + state * 4 for elems, state in acts.values())
+    return num_params(cfg) * 4 * (2 + OPT_STATE[optimizer]) + batch_tokens * per_token
+
+
+def gpu_step(cfg: FractusConfig, *, batch_size: int, chunk_len: int, launches: int, host_op_s: float,
+             accum: int = 1, optimizer: str = "sgd", head_positions: str = "all",
+             peak_flops: float = H200_DATASHEET["bf16_tflops"] * 1e12, peak_bw: float = H200_DATASHEET["hbm_gbs"] * 1e9,
+             dtype_bytes: int = 2) -> dict:
+    """A micro-step on a GPU (by default at an H200's bf16 and HBM peaks; the optimizer's traffic
+    shared by the ``accum`` micro-steps of a step): the device's work (:func:`roofline`, no per-op
+    term), the host's (``launches`` × ``host_op_s``), the micro-step as the longer of the two (the
+    host queues kernels ahead of the device), tok/s, MFU and the memory estimate
+    (:func:`training_memory`)."""
+    tokens = batch_size * chunk_len
+    rf = roofline(cfg, peak_flops=peak_flops, peak_bw=peak_bw, batch_size=batch_size, chunk_len=chunk_len,
+                  accum=accum, optimizer=optimizer, dtype_bytes=dtype_bytes, head_positions=head_positions)
+    device_s, host_s = tokens / rf["tok_s"], launches * host_op_s
+    step_s = max(device_s, host_s)
+    return {"device_s": device_s, "host_s": host_s, "step_s": step_s, "bound": "host" if host_s > device_s else "device",
+            "tok_s": tokens / step_s, "mfu": tokens / step_s * rf["flops_per_token"] / peak_flops,
+            "memory_gb": training_memory(cfg, tokens, optimizer, dtype_bytes) / 1e9}
+
+
+def h200_rows(sweep, setup, host_op_s: float, target: tuple[str, float] = ("1b", 150_000.0),
+              largest: int = 1024) -> list[dict]:
+    """The model's H200 column: :func:`gpu_step` for each (preset, batch sizes, chunk) of ``sweep``,
+    ``setup(preset, chunk, batch)`` its training configuration (an
+    :class:`fractus.bench.optimizations.Setup`), the launches of its micro-step counted on its GPU
+    path (:func:`fractus.bench.profile.gpu_launch_count`) at ``host_op_s`` each; then, for
+    ``target``'s preset, the smallest power-of-two batch up to ``largest`` whose tok/s reaches the
+    target within the H200's memory (``smallest_for_target`` True; none if no batch does)."""
+    from fractus.bench.profile import gpu_launch_count
+    launches = {preset: gpu_launch_count(setup(preset, chunk, 8)) for preset, _, chunk in sweep}
+    rows = []
+
+    def row(preset, batch, chunk, **extra):
+        rec = setup(preset, chunk, batch)
+        pred = gpu_step(rec.config(), batch_size=batch, chunk_len=chunk, launches=launches[preset],
+                        host_op_s=host_op_s, accum=rec.accum, optimizer=rec.optimizer,
+                        head_positions=rec.head_positions)
+        return {"preset": preset, "batch_size": batch, "chunk_len": chunk, "launches": launches[preset],
+                "host_op_us": 1e6 * host_op_s, **pred, **extra}
+    for preset, batches, chunk in sweep:
+        rows += [row(preset, b, chunk) for b in batches]
+    preset, goal = target
+    chunk = next(c for p, _, c in sweep if p == preset)
+    for b in (2 ** i for i in range(int(math.log2(largest)) + 1)):
+        r = row(preset, b, chunk, target_tok_s=goal)
+        if r["tok_s"] >= goal and r["memory_gb"] <= H200_DATASHEET["memory_gb"]:
+            rows.append({**r, "smallest_for_target": True})
+            break
+    else:
+        rows.append({**row(preset, largest, chunk, target_tok_s=goal), "smallest_for_target": False})
+    return rows
+

@@ -14,17 +14,6 @@ from fractus.model import FractusConfig, FractusCTE
 from fractus.train import make_optimizer, micro_steps, set_active_blocks
 
 
-def _setup(preset, batch_size, chunk_len, accum, optimizer, lr, device, compile, seed, overrides):
-    torch.manual_seed(seed)
-    cfg = FractusConfig.preset(preset, chunk_len=chunk_len, **overrides)
-    with torch.device(device):  # initialised where it runs (a 1B model's CPU init takes seconds)
-        model = FractusCTE(cfg)
-    opt = make_optimizer(model, optimizer, lr, 0.0)
-    fwd = torch.compile(model) if compile else model
-    g = torch.Generator().manual_seed(seed)
-    return cfg, model, opt, fwd, lambda: random_batches(g, cfg.vocab_size, batch_size, chunk_len, accum)
-
-
 def random_batches(g: torch.Generator, vocab_size: int, batch_size: int, chunk_len: int, accum: int):
     """``accum`` micro-batches of uniform random tokens as :func:`fractus.train.micro_steps` takes
     them: (x [B, C], next tokens y [B, C], False: no stream reset)."""
@@ -33,28 +22,61 @@ def random_batches(g: torch.Generator, vocab_size: int, batch_size: int, chunk_l
         yield x[:, :-1], x[:, 1:], False
 
 
+class TrainingStep:
+    """The trainer's optimizer step on random tokens: ``forward_backward(i)`` runs step ``i``'s
+    micro-steps (:func:`fractus.train.micro_steps`, the state carried from the step before; with
+    ``active_blocks``, PGSU's blocks for step ``i``) and says whether their loss was finite,
+    ``update()`` the optimizer's step; ``config`` and ``model`` are the model's."""
+
+    def __init__(self, preset: str, *, batch_size: int = 8, chunk_len: int = 32, accum: int = 8,
+                 optimizer: str = "sgd", lr: float = 1e-3, head_positions: str = "all", active_blocks: int = 0,
+                 bf16: bool = False, compile: bool = False, device: str = "cpu", seed: int = 0, **overrides):
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        self.config = FractusConfig.preset(preset, chunk_len=chunk_len, **overrides)
+        with self.device:  # initialised where it runs (a 1B model's CPU init takes seconds)
+            self.model = FractusCTE(self.config)
+        self.opt = make_optimizer(self.model, optimizer, lr, 0.0)
+        self.fwd = torch.compile(self.model) if compile else self.model
+        g = torch.Generator().manual_seed(seed)
+        self.batches = lambda: random_batches(g, self.config.vocab_size, batch_size, chunk_len, accum)
+        self.accum, self.head_positions, self.active_blocks, self.bf16, self.seed = (
+            accum, head_positions, active_blocks, bf16, seed)
+        self.state = None
+
+    def forward_backward(self, i: int) -> bool:
+        if self.active_blocks:
+            set_active_blocks(self.model, self.active_blocks, self.seed, i)
+        _, _, self.state, finite = micro_steps(self.fwd, self.batches(), self.state, self.accum,
+                                               self.head_positions, self.device, self.bf16)
+        return finite
+
+    def update(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
 def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len: int = 32,
                      accum: int = 8, optimizer: str = "sgd", lr: float = 1e-3,
                      head_positions: str = "all", active_blocks: int = 0, bf16: bool = False,
                      compile: bool = False, steps: int = 3, warmup: int = 1, device: str = "cpu",
                      seed: int = 0, **overrides) -> dict:
-    """Median seconds per optimizer step and tokens/s; ``overrides`` go to the config. On CUDA
-    also the peak memory allocated during the timed steps (``peak_mem_bytes``: the statistics are
-    reset after the warm-up, whose autotuning allocates scratch buffers the model never holds)."""
+    """Median seconds per optimizer step (:class:`TrainingStep`; also the fastest and slowest timed
+    step) and tokens/s; ``overrides`` go to the config. On CUDA also the peak memory allocated during
+    the timed steps (``peak_mem_bytes``: the statistics are reset after the warm-up, whose
+    autotuning allocates scratch buffers the model never holds)."""
     device = torch.device(device)
-    cfg, model, opt, fwd, batches = _setup(preset, batch_size, chunk_len, accum, optimizer, lr,
-                                           device, compile, seed, overrides)
-    state, times = None, []
+    step = TrainingStep(preset, batch_size=batch_size, chunk_len=chunk_len, accum=accum, optimizer=optimizer,
+                        lr=lr, head_positions=head_positions, active_blocks=active_blocks, bf16=bf16,
+                        compile=compile, device=device, seed=seed, **overrides)
+    times = []
     for i in range(warmup + steps):
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        if active_blocks:
-            set_active_blocks(model, active_blocks, seed, i)
         sync(device)
         t0 = time.perf_counter()
-        ce, _, state, finite = micro_steps(fwd, batches(), state, accum, head_positions, device, bf16)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        finite = step.forward_backward(i)
+        step.update()
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -63,12 +85,12 @@ def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len:
     times.sort()
     step_s = times[len(times) // 2]
     tokens = batch_size * chunk_len * accum
-    return {"preset": preset, "vocab_size": cfg.vocab_size, "batch_size": batch_size,
+    return {"preset": preset, "vocab_size": step.config.vocab_size, "batch_size": batch_size,
             "chunk_len": chunk_len, "accum": accum, "optimizer": optimizer,
-            "head_positions": head_positions, "active_blocks": active_blocks or cfg.n_layers,
-            "bf16": bf16, "compile": compile, "params": model.num_params(),
-            "step_s": step_s, "tok_s": tokens / step_s, "tok_s_best": tokens / times[0],
-            "steps_timed": steps,
+            "head_positions": head_positions, "active_blocks": active_blocks or step.config.n_layers,
+            "bf16": bf16, "compile": compile, "params": step.model.num_params(),
+            "step_s": step_s, "step_s_min": times[0], "step_s_max": times[-1], "tok_s": tokens / step_s,
+            "tok_s_best": tokens / times[0], "steps_timed": steps,
             **({"peak_mem_bytes": torch.cuda.max_memory_allocated(device)} if device.type == "cuda" else {}),
             **{k: v for k, v in overrides.items()}}
 
