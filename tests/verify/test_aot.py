@@ -55,7 +55,7 @@ def test_precompile_fills_the_cache_later_compiles_hit(tmp_path):
     code = ("from pathlib import Path; from fractus.verify import aot\n"
             "rows = aot.precompile(2, ops=('kuramoto',), presets=(), arch=90)\n"
             "n = len(list(Path(r'%s').rglob('*.cubin')))\n"
-            "aot.compile_rows(90, ops=('kuramoto',))\n"
+            "aot.compile_rows(90, ops=('kuramoto',), extras=())\n"
             "print(sum(r['compiled'] for r in rows), n, len(list(Path(r'%s').rglob('*.cubin'))))" % (tmp_path, tmp_path))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
