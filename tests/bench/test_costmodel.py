@@ -14,14 +14,6 @@ from fractus.bench.gpu import DRY_SWEEP, train_setup
 from fractus.bench.throughput import TrainingStep
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_smoke_run_writes_the_fit_and_the_check(tmp_path):
     fitted, checked = C.run(tmp_path, smoke=True)
     cases = C.cases(smoke=True)
