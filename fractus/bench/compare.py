@@ -75,17 +75,20 @@ def train_one(model: str, v: Variant, lr: float, seed: int, tokens: int, data, r
     """Train ``model`` (``v``) at peak rate ``lr`` from ``seed`` for ``tokens`` tokens in its run
     directory (resuming a stopped run there); its rows, one per evaluation reading."""
     from fractus.registry import load_model  # in the worker process
+    from fractus.runs import read_metrics
     from fractus.train import train
     out = run_dir(runs, model, lr, seed, tokens)
     argv = v.argv(data, out, tokens, seed, threads)
     argv[argv.index("--ckpt-every") + 1] = "200"
     argv += ["--lr", repr(lr)] + (["--resume"] if (out / "ckpt.pt").exists() else [])
     t0 = time.perf_counter()
-    last = train(argv)
+    last = train(argv)  # its final validation (a run that had finished is validated again)
     wall = time.perf_counter() - t0
     params = load_model(out / "ckpt.pt").num_params()
-    base = {"model": model, "preset": v.preset, "params": params, "tokens": last["tokens"], "lr": lr, "seed": seed}
-    timing = {"wall_s": wall, "tok_s": last["tokens"] / last["elapsed_s"], "threads": threads, "stage": stage}
+    end = read_metrics(out / "metrics.csv")[-1]  # the run's last step, however many sessions it took
+    tokens, elapsed = int(end["tokens"]), float(end["elapsed_s"])
+    base = {"model": model, "preset": v.preset, "params": params, "tokens": tokens, "lr": lr, "seed": seed}
+    timing = {"wall_s": wall, "tok_s": tokens / elapsed, "threads": threads, "stage": stage}
     readings = {headline_reading(model): ""} | ({"chunks": "_chunks"} if v.model == "transformer" else {})
     return [{**base, "eval": name, "val_ce": last[f"val_ce{sfx}"], "val_bpb": last[f"val_bpb{sfx}"],
              "val_ppl": last[f"val_ppl{sfx}"], **timing} for name, sfx in readings.items()]
