@@ -44,7 +44,7 @@ class Variant:
     chunk_len: int = 256
     batch_size: int = 8  # windows or streams; accumulation: STEP_TOKENS / (batch_size · chunk_len)
     sampling: str | None = None  # the trainer's --sampling (None: its default, shuffled windows)
-    warmup: int | None = None  # the trainer's --warmup in optimizer steps (None: its default)
+    warmup: float | None = None  # the trainer's --warmup as a fraction of the run's optimizer steps (None: its default)
 
     @property
     def changes_cli(self) -> str:
@@ -60,7 +60,7 @@ class Variant:
                 "--accum", str(accum), "--seed", str(seed), "--threads", str(threads), "--eval-every", "0",
                 "--ckpt-every", "0", "--sample-tokens", "0", "--no-progress", *(["--set", *sets] if sets else []),
                 *(["--sampling", self.sampling] if self.sampling else []),
-                *(["--warmup", str(self.warmup)] if self.warmup is not None else [])]
+                *(["--warmup", str(round(self.warmup * -(-tokens // STEP_TOKENS)))] if self.warmup is not None else [])]
 
 
 def _cli(v) -> str:

@@ -49,8 +49,9 @@ LEVERS = {name: Variant(name, group, model=model, preset="palier0", changes=chan
               ("default, 32 streams of 64", "lever", "cte", (), 64, 32, "streams", None),
               ("default − window, 8 streams of 256", "lever", "cte", (("attn_window", 0),), 256, 8, "streams", None),
               ("default − window", "lever", "cte", (("attn_window", 0),), 256, 8, "windows", None),
-              # a warm-up of 5 % of a 3 M-token run (73 steps) instead of the trainer's 50
-              ("transformer, warm-up 73", "baseline", "transformer", (), 256, 8, "windows", 73))}
+              # a linear warm-up over 5 % of the run's steps (73 at 3 M tokens) instead of the trainer's 50
+              ("default, 5 % warm-up", "lever", "cte", (), 256, 8, "windows", 0.05),
+              ("transformer, 5 % warm-up", "baseline", "transformer", (), 256, 8, "windows", 0.05))}
 
 
 def headline_reading(model: str) -> str:
