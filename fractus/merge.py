@@ -32,10 +32,10 @@ from fractus.checkpoint import (
     save_checkpoint,
 )
 from fractus.cli import run_command
-from fractus.model import FractusConfig, FractusCTE
+from fractus.model import TRAINING_KEYS, FractusConfig, FractusCTE
 
-# Config fields that only steer training or the kernels; checkpoints may differ in them.
-RUN_FIELDS = ("backend", "chunk_len", "lb_coef", "detach_kuramoto", "fused_ce")
+# Saved config keys that only steer training or the kernels; checkpoints may differ in them.
+RUN_FIELDS = ("backend", "lb_coef", "detach_kuramoto", "fused_ce", *TRAINING_KEYS)
 
 
 def merge(paths: list[str | Path], out: str | Path | None = None,

@@ -72,7 +72,6 @@ class FractusConfig:
     lb_coef: float = 0.01
     tie_head: bool = True
     fused_ce: bool = True  # tied-head loss without forming [tokens, V] logits
-    chunk_len: int = 32  # training positions per forward (the trainer's --chunk-len); forward takes any T
     eps: float = 1e-6
     backend: str = "auto"  # kernels: auto | triton | torch | reference
 
@@ -111,7 +110,7 @@ class FractusConfig:
     def preset(cls, name: str, **overrides) -> "FractusConfig":
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls.from_saved({**PRESETS[name], **overrides})
+        return cls._from_dict({**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -121,15 +120,26 @@ class FractusConfig:
 
     @classmethod
     def from_saved(cls, d: dict) -> "FractusConfig":
-        """The config a checkpoint (or a preset) saved as ``d``. Unlike ``FractusConfig(**d)``, whose
-        missing fields take the default architecture's values, a lever ``d`` does not name takes the
+        """The config a checkpoint saved as ``d``. Unlike ``FractusConfig(**d)``, whose missing
+        fields take the default architecture's values, a lever ``d`` does not name takes the
         original architecture's (:data:`ORIGINAL`): a config saved before that lever existed is read
-        as the architecture it was trained as."""
+        as the architecture it was trained as. Keys of :data:`TRAINING_KEYS` (training settings a
+        saved config may name, not fields of the model) are ignored."""
+        return cls._from_dict({k: v for k, v in d.items() if k not in TRAINING_KEYS})
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> "FractusConfig":
+        """``d`` over :data:`ORIGINAL`; ValueError naming the keys of ``d`` that are no field."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown config keys {sorted(map(str, unknown))}; the fields are {sorted(known)}")
         return cls(**{**ORIGINAL, **d})
+
+
+# Keys a checkpoint's saved config may name that are training settings, not the model's (the
+# trainer records its own in the checkpoint's ``args``): FractusConfig.from_saved ignores them.
+TRAINING_KEYS = ("chunk_len",)
 
 
 def _finite(v, kind=numbers.Real) -> bool:
@@ -181,7 +191,7 @@ _FIELD_CHECKS = {  # field → (what it must be, check)
     "n_oscillators": _int_min(1), "coupling_rank": _int_min(1), "kuramoto_steps": _int_min(1),
     "kuramoto_dt": _POSITIVE, "kuramoto_damping": _NON_NEGATIVE, "detach_kuramoto": _BOOL,
     "router": _one_of("phase", "linear"), "gate_kappa": _POSITIVE, "gate_tau": _POSITIVE,
-    "lb_coef": _NON_NEGATIVE, "tie_head": _BOOL, "fused_ce": _BOOL, "chunk_len": _int_min(1),
+    "lb_coef": _NON_NEGATIVE, "tie_head": _BOOL, "fused_ce": _BOOL,
     "eps": _POSITIVE, "backend": _one_of(*BACKENDS),
 }
 
@@ -208,8 +218,7 @@ DIMS = {  # d_model, n_heads, n_layers, n_experts, expert_d_ff, expert_rank, n_o
 
 def _dims(d, h, layers, e, f, r, n_osc, k_rank, vocab):
     return dict(d_model=d, n_heads=h, n_layers=layers, n_experts=e, expert_d_ff=f, expert_rank=r,
-                n_oscillators=n_osc, coupling_rank=k_rank, vocab_size=vocab, n_levels=2, top_k=2,
-                chunk_len=32)
+                n_oscillators=n_osc, coupling_rank=k_rank, vocab_size=vocab, n_levels=2, top_k=2)
 
 
 PRESETS = {**{name: {**_dims(*dims), **RECIPE} for name, dims in DIMS.items()},

@@ -138,7 +138,8 @@ def parse_overrides(pairs: list[str]) -> dict:
     return out
 
 
-# Config fields with their own flag: --set refuses them, so that one setting has one way in.
+# Settings with their own flag (config fields, and the chunk length, a training setting the config
+# does not hold): --set refuses them, so that one setting has one way in.
 FLAG_FIELDS = {"chunk_len": "--chunk-len", "backend": "--backend", "detach_kuramoto": "--detach-kuramoto",
                "lb_coef": "--lb-coef"}
 
@@ -163,7 +164,7 @@ def make_config(args, vocab_size: int) -> FractusConfig | TransformerConfig:
         raise ValueError("set these with their own flags, not --set: "
                          + ", ".join(f"{k} → {f}" for k, f in flagged.items()))
     over.setdefault("vocab_size", vocab_size)
-    over.update(chunk_len=args.chunk_len, backend=args.backend)
+    over["backend"] = args.backend
     if args.detach_kuramoto:
         over["detach_kuramoto"] = True
     if args.lb_coef is not None:

@@ -62,11 +62,13 @@ def test_merge_is_the_parameter_mean(tmp_path, capsys, monkeypatch):
 
 
 def test_merge_ignores_run_settings(tmp_path):
+    """Configs that differ in training settings merge: lb_coef, and a chunk length one saved config names."""
     base = FractusCTE(FractusConfig.preset("tiny", vocab_size=97))
-    other = FractusCTE(FractusConfig.preset("tiny", vocab_size=97, lb_coef=0.1, chunk_len=64))
+    other = FractusCTE(FractusConfig.preset("tiny", vocab_size=97, lb_coef=0.1))
     other.load_state_dict(base.state_dict())
     base.save(tmp_path / "a.pt", ancestor=ANCESTOR)
-    other.save(tmp_path / "b.pt", ancestor=ANCESTOR)
+    save_checkpoint(tmp_path / "b.pt", {"config": {**other.cfg.to_dict(), "chunk_len": 64},
+                                        "model": other.state_dict(), "ancestor": ANCESTOR})
     merged, distances = merge([tmp_path / "a.pt", tmp_path / "b.pt"])
     assert distances == [0.0, 0.0]
     for k, v in base.state_dict().items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fractus.model as model_mod
-from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state
+from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
 from fractus.model import _FIELD_CHECKS, FractusConfig, FractusCTE, farey_phases, level_omegas, load_balance
 from util import assert_lowp, assert_rel
 
@@ -169,6 +169,26 @@ def test_a_config_without_levers_is_the_original():
     assert FractusConfig.from_saved(new.to_dict()) == new and new != FractusConfig.preset("original-tiny")
 
 
+def test_a_saved_config_that_names_the_chunk_length_loads(tmp_path):
+    """The chunk length is a training setting (the trainer's --chunk-len), not a field: a saved
+    config that names it reads as the same model, and a checkpoint holding one loads; a preset
+    refuses it as an override like any other key that is no field."""
+    c = FractusConfig.preset("tiny")
+    assert FractusConfig.from_saved({**c.to_dict(), "chunk_len": 256}) == c
+    old = {k: v for k, v in FractusConfig.preset("original-tiny").to_dict().items() if k not in model_mod.ORIGINAL}
+    assert FractusConfig.from_saved({**old, "chunk_len": 32}) == FractusConfig.preset("original-tiny")
+    model = FractusCTE(c)
+    save_checkpoint(tmp_path / "m.pt", {"config": {**c.to_dict(), "chunk_len": 64}, "model": model.state_dict()})
+    loaded = FractusCTE.load(tmp_path / "m.pt")
+    assert loaded.cfg == c and all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+    with pytest.raises(ValueError, match=r"unknown config keys \['chunk_len'\]"):
+        FractusConfig.preset("tiny", chunk_len=64)
+    with pytest.raises(ValueError, match=r"bad config: n_layers must be"):
+        FractusConfig.from_saved({**c.to_dict(), "chunk_len": 64, "n_layers": 0})
+    with pytest.raises(ValueError, match=r"unknown config keys \['n_layer'\]"):
+        FractusConfig.from_saved({**c.to_dict(), "chunk_len": 64, "n_layer": 4})
+
+
 def test_1b_parameter_count():
     """The original architecture at 1b's dimensions, exactly (within 0.04 % of the original model's
     1,048,631,458 parameters; 183.1M active with the tied embedding, 118.8M without), and the
@@ -185,7 +205,7 @@ def test_1b_parameter_count():
 def test_presets_and_spec_constants():
     for name in ("palier0", "palier1", "palier2", "palier3", "1b"):
         c, o = FractusConfig.preset(name), FractusConfig.preset(f"original-{name}")
-        assert c.d_head == 64 and c.n_levels == 2 and c.top_k == 2 and c.chunk_len == 32
+        assert c.d_head == 64 and c.n_levels == 2 and c.top_k == 2
         assert {k: getattr(o, k) for k in model_mod.ORIGINAL} == model_mod.ORIGINAL
         assert {k: getattr(c, k) for k in model_mod.RECIPE if k != "attn_decay"} == {
             k: v for k, v in model_mod.RECIPE.items() if k != "attn_decay"}
@@ -275,7 +295,7 @@ def test_config_validation():
 
 
 BAD_FIELDS = [("n_layers", 0), ("n_layers", 2.5), ("n_layers", "abc"), ("n_layers", True), ("vocab_size", 0),
-              ("n_heads", 0), ("top_k", 0), ("expert_rank", -1), ("kuramoto_steps", 0), ("chunk_len", 0),
+              ("n_heads", 0), ("top_k", 0), ("expert_rank", -1), ("kuramoto_steps", 0),
               ("tie_head", "maybe"), ("fused_ce", 1), ("detach_kuramoto", "true"), ("kuramoto_dt", 0),
               ("kuramoto_dt", float("nan")), ("gate_tau", -1.0), ("gate_kappa", 0.0), ("lb_coef", -0.1),
               ("lb_coef", "x"), ("eps", float("inf")), ("kuramoto_damping", -1), ("backend", "cuda"),

@@ -86,6 +86,17 @@ def test_stop_after_then_resume_equals_uninterrupted(data, reference, tmp_path, 
     assert metrics(out) == reference
 
 
+def test_a_checkpoint_whose_config_names_the_chunk_length_resumes_exactly(data, reference, tmp_path):
+    """The chunk length is the trainer's setting (its arguments), not the model's: a saved config
+    that also names it resumes as if it did not."""
+    out = tmp_path / "run"
+    train(cli(data, out, "--stop-after", "7"))
+    ck = load_checkpoint(out / "ckpt.pt")
+    save_checkpoint(out / "ckpt.pt", {**ck, "config": {**ck["config"], "chunk_len": ck["args"]["chunk_len"]}})
+    train(cli(data, out, "--resume"))
+    assert metrics(out) == reference
+
+
 def test_streams_stop_then_resume_equals_uninterrupted(data, tmp_path):
     """The other reading of the split, contiguous streams with the state carried, resumes exactly too."""
     streams = ("--sampling", "streams")

@@ -20,6 +20,10 @@ Counting rules (per token, forward; a multiply-add is 2 FLOPs):
 - norms: every LayerNorm (3 per block + the final one), ``NORM_FLOPS`` per element.
 - embedding: a row gather (0 FLOPs; its backward is a d-wide scatter-add).
 
+Each count takes the training chunk length ``chunk_len`` (C, positions per forward: the trainer's
+``--chunk-len``): the attention's chunk (``attn_chunk``, by default min(64, C)), the window level's
+blocks and the supervised share of the head depend on it.
+
 Training multiplies matmul FLOPs by 3 (forward, input gradient, weight gradient) and elementwise
 FLOPs by 3 as well (a rough rule); a detached Kuramoto clock has no backward. The optimizer is
 counted per step (:func:`optimizer_cost`), not per token, because it depends on the batch.
@@ -57,20 +61,23 @@ H200_DATASHEET = {"hbm_gbs": 4800.0, "bf16_tflops": 989.0, "tf32_tflops": 494.0,
 H200_NVL_BF16_TFLOPS = 835.5  # the H200 NVL card (also 141 GB): 1,671 TFLOP/s bf16 with sparsity
 
 
-def _attn_chunk(cfg: FractusConfig, attn_chunk: int | None) -> int:
-    return attn_chunk if attn_chunk is not None else min(64, cfg.chunk_len)
+def _attn_chunk(chunk_len: int, attn_chunk: int | None) -> int:
+    """Positions per chunk of the linear attention's algorithm: ``attn_chunk``, or the kernels' 64
+    capped at a forward's ``chunk_len``."""
+    return attn_chunk if attn_chunk is not None else min(64, chunk_len)
 
 
-def _head_share(cfg: FractusConfig, head_positions: str) -> float:
+def _head_share(chunk_len: int, head_positions: str) -> float:
+    """The share of a forward's ``chunk_len`` positions the head scores."""
     if head_positions not in ("all", "last"):
         raise ValueError(f"head_positions must be 'all' or 'last', got {head_positions!r}")
-    return 1.0 if head_positions == "all" else 1.0 / cfg.chunk_len
+    return 1.0 if head_positions == "all" else 1.0 / chunk_len
 
 
-def _window_keys(cfg: FractusConfig) -> int:
+def _window_keys(cfg: FractusConfig, chunk_len: int) -> int:
     """Keys each query of the softmax window level scores (0 without one): its block's Q =
-    min(W, chunk) queries read Q + W − 1 keys."""
-    return min(cfg.attn_window, cfg.chunk_len) + cfg.attn_window - 1 if cfg.attn_window else 0
+    min(W, chunk_len) queries read Q + W − 1 keys."""
+    return min(cfg.attn_window, chunk_len) + cfg.attn_window - 1 if cfg.attn_window else 0
 
 
 def _norms(cfg: FractusConfig) -> int:
@@ -78,17 +85,18 @@ def _norms(cfg: FractusConfig) -> int:
     return 3 if cfg.router == "phase" else 2
 
 
-def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | None) -> dict:
-    """{component: (matmul FLOPs, elementwise FLOPs)} of one token's forward."""
+def _forward_flops(cfg: FractusConfig, chunk_len: int, head_positions: str, attn_chunk: int | None) -> dict:
+    """{component: (matmul FLOPs, elementwise FLOPs)} of one token's forward, in forwards of
+    ``chunk_len`` positions."""
     d, D, Lv, L = cfg.d_model, cfg.d_head, cfg.n_levels, cfg.n_layers
     N, r_c, E, K, Fd, r = (cfg.n_oscillators, cfg.coupling_rank, cfg.n_experts, cfg.top_k,
                            cfg.expert_d_ff, cfg.expert_rank)
-    c = _attn_chunk(cfg, attn_chunk)
+    c = _attn_chunk(chunk_len, attn_chunk)
     gate, W = cfg.attn_gate, cfg.short_conv
     attn_mm = (8 + 2 * gate) * d * d + Lv * (4 * d * c + 4 * d * D)
     attn_ew = Lv * 2 * d * (TRANSCENDENTAL + 2) + Lv * 3 * d + 2 * d  # features, divide, mix, residual
     attn_ew += 2 * 3 * d * W + gate * d * (TRANSCENDENTAL + 3) + (cfg.attn_norm == "rms") * d * NORM_FLOPS
-    keys = _window_keys(cfg)
+    keys = _window_keys(cfg, chunk_len)
     attn_mm += 4 * d * keys
     attn_ew += (keys > 0) * (cfg.n_heads * keys * (TRANSCENDENTAL + 3) + 2 * 3 * d + 2 * d)  # softmax, RoPE, mix
     rate_mm = 8 * N * r_c
@@ -101,7 +109,7 @@ def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | No
     Fs = cfg.shared_expert
     moe_mm = gate_mm + K * expert_mm + 4 * d * Fs
     moe_ew = E * (TRANSCENDENTAL + 3) + K * (Fd * GELU_FLOPS + 2 * Fd + 3 * d) + d + Fs * (GELU_FLOPS + 1) + d
-    share = _head_share(cfg, head_positions)
+    share = _head_share(chunk_len, head_positions)
     head_mm = share * 2 * d * cfg.vocab_size
     head_ew = share * cfg.vocab_size * (3 + TRANSCENDENTAL)
     norms_ew = (_norms(cfg) * L + 1) * d * NORM_FLOPS
@@ -110,14 +118,15 @@ def _forward_flops(cfg: FractusConfig, head_positions: str, attn_chunk: int | No
             "head": (head_mm, head_ew), "norms": (0.0, norms_ew)}
 
 
-def flops_per_token(cfg: FractusConfig, training: bool = True, *, head_positions: str = "all",
+def flops_per_token(cfg: FractusConfig, training: bool = True, *, chunk_len: int, head_positions: str = "all",
                     attn_chunk: int | None = None) -> dict[str, float]:
-    """FLOPs per token of each component (:data:`COMPONENTS`); training = forward + backward.
+    """FLOPs per token of each component (:data:`COMPONENTS`) in forwards of ``chunk_len``
+    positions; training = forward + backward.
 
     Sum the values for the model FLOPs of a token (e.g. for MFU = Σ · tok/s / peak).
     """
     out = {}
-    for comp, (mm, ew) in _forward_flops(cfg, head_positions, attn_chunk).items():
+    for comp, (mm, ew) in _forward_flops(cfg, chunk_len, head_positions, attn_chunk).items():
         total = mm + ew
         if training and not (comp == "kuramoto" and cfg.detach_kuramoto):
             total *= 3
@@ -150,32 +159,34 @@ def num_params(cfg: FractusConfig) -> int:
     return sum(weight_counts(cfg).values())
 
 
-def _activation_elems(cfg: FractusConfig, head_positions: str, attn_chunk: int | None,
+def _activation_elems(cfg: FractusConfig, chunk_len: int, head_positions: str, attn_chunk: int | None,
                       fused_ce: bool) -> dict:
-    """{component: (elements moved per token in the forward, of which fp32 state elements)}."""
+    """{component: (elements moved per token in a forward of ``chunk_len`` positions, of which fp32
+    state elements)}."""
     d, D, Lv, L, H = cfg.d_model, cfg.d_head, cfg.n_levels, cfg.n_layers, cfg.n_heads
     N, K, Fd, r = cfg.n_oscillators, cfg.top_k, cfg.expert_d_ff, cfg.expert_rank
-    c = _attn_chunk(cfg, attn_chunk)
+    c = _attn_chunk(chunk_len, attn_chunk)
     attn = 4 * d + 4 * d + Lv * 4 * d + Lv * 4 * d + 2 * d + 3 * d  # qkv, features, chunks, out, residual
     attn += 2 * 3 * d * (cfg.short_conv > 0) + 3 * d * cfg.attn_gate  # the convolution, the gate
-    keys = _window_keys(cfg)
+    keys = _window_keys(cfg, chunk_len)
     attn += (keys > 0) * (8 * d + H * keys)  # the window: rotated q and k, keys, values, y; scores
     state = Lv * H * D * (D + 1) * 2 / c  # S read + written once per chunk
     kur = (2 * d + N + cfg.kuramoto_steps * 4 * 10 * N + 2 * N) * (cfg.router == "phase")
     inner = (r if r > 0 else 0) * 2 + Fd * 3
     moe = cfg.n_experts * 3 + K * (2 * d + 2 * inner) + 2 * K * d + 3 * d
     moe += (2 * d + 3 * cfg.shared_expert) * (cfg.shared_expert > 0)
-    share = _head_share(cfg, head_positions)
+    share = _head_share(chunk_len, head_positions)
     head = share * (2 * d + (0 if fused_ce else 4 * cfg.vocab_size))
     norms = (_norms(cfg) * L + 1) * 2 * d
     return {"embedding": (d, 0.0), "attention": (L * attn, L * state), "kuramoto": (L * kur, 0.0),
             "moe": (L * moe, 0.0), "head": (head, 0.0), "norms": (norms, 0.0)}
 
 
-def bytes_per_token(cfg: FractusConfig, batch_tokens: int, training: bool = True, *,
+def bytes_per_token(cfg: FractusConfig, batch_tokens: int, training: bool = True, *, chunk_len: int,
                     dtype_bytes: int = 4, head_positions: str = "all", attn_chunk: int | None = None,
                     fused_ce: bool | None = None) -> dict[str, float]:
-    """Memory traffic per token of each component for micro-steps of ``batch_tokens`` tokens.
+    """Memory traffic per token of each component for micro-steps of ``batch_tokens`` tokens in
+    forwards of ``chunk_len`` positions.
 
     Weights are fp32 master copies read once per micro-step (the head reads the whole V×d
     matrix); the embedding gathers one row per token and, in training, writes and accumulates a
@@ -185,7 +196,7 @@ def bytes_per_token(cfg: FractusConfig, batch_tokens: int, training: bool = True
     weights = weight_counts(cfg)
     weights["head"] = cfg.vocab_size * cfg.d_model
     out = {}
-    for comp, (elems, state) in _activation_elems(cfg, head_positions, attn_chunk, fused).items():
+    for comp, (elems, state) in _activation_elems(cfg, chunk_len, head_positions, attn_chunk, fused).items():
         act = (elems - state) * dtype_bytes + state * 4
         backward = training and not (comp == "kuramoto" and cfg.detach_kuramoto)
         if comp == "embedding":
@@ -206,19 +217,19 @@ def optimizer_cost(cfg: FractusConfig, optimizer: str, tokens_per_step: int) -> 
 
 
 def roofline(cfg: FractusConfig, *, peak_flops: float, peak_bw: float, batch_size: int = 8,
-             chunk_len: int | None = None, accum: int = 1, optimizer: str = "adamw",
+             chunk_len: int, accum: int = 1, optimizer: str = "adamw",
              dtype_bytes: int = 4, head_positions: str = "all", n_ops: float = 0.0,
              op_overhead_s: float = 0.0, attn_chunk: int | None = None) -> dict:
     """Predicted seconds per token of each component (roofline), the optimizer, op dispatch,
-    and the resulting tok/s. ``n_ops`` is the op count of one micro-step (forward + backward).
+    and the resulting tok/s of micro-steps of ``batch_size`` × ``chunk_len`` tokens. ``n_ops`` is
+    the op count of one micro-step (forward + backward).
 
     Returns {"components": {name: s/token}, "intensity": {name: FLOP/byte}, "bound": {name:
     "compute"|"memory"}, "tok_s": float, "flops_per_token": float}.
     """
-    C = chunk_len or cfg.chunk_len
-    batch_tokens = batch_size * C
-    fl = flops_per_token(cfg, True, head_positions=head_positions, attn_chunk=attn_chunk)
-    by = bytes_per_token(cfg, batch_tokens, True, dtype_bytes=dtype_bytes,
+    batch_tokens = batch_size * chunk_len
+    fl = flops_per_token(cfg, True, chunk_len=chunk_len, head_positions=head_positions, attn_chunk=attn_chunk)
+    by = bytes_per_token(cfg, batch_tokens, True, chunk_len=chunk_len, dtype_bytes=dtype_bytes,
                          head_positions=head_positions, attn_chunk=attn_chunk)
     comps, inten, bound = {}, {}, {}
     for k in COMPONENTS:
@@ -276,11 +287,13 @@ def chinchilla_tokens(cfg: FractusConfig, per_param: float = 20.0, active: bool 
 OPT_STATE = {"adamw": 2, "sgd": 1, "rmsprop": 1}  # fp32 values of optimizer state per parameter
 
 
-def training_memory(cfg: FractusConfig, batch_tokens: int, optimizer: str, dtype_bytes: int = 2) -> float:
-    """Bytes a micro-step of ``batch_tokens`` tokens holds at its peak, estimated: the fp32
-    parameters, their gradients and the optimizer's state, and per token the forward's activation
-    traffic (:func:`bytes_per_token`'s, without the weights) as what the backward keeps."""
-    acts = _activation_elems(cfg, "all", None, cfg.fused_ce)
+def training_memory(cfg: FractusConfig, batch_tokens: int, optimizer: str, dtype_bytes: int = 2, *,
+                    chunk_len: int) -> float:
+    """Bytes a micro-step of ``batch_tokens`` tokens in forwards of ``chunk_len`` positions holds
+    at its peak, estimated: the fp32 parameters, their gradients and the optimizer's state, and per
+    token the forward's activation traffic (:func:`bytes_per_token`'s, without the weights) as what
+    the backward keeps."""
+    acts = _activation_elems(cfg, chunk_len, "all", None, cfg.fused_ce)
     per_token = sum((elems - state) * dtype_bytes + state * 4 for elems, state in acts.values())
     return num_params(cfg) * 4 * (2 + OPT_STATE[optimizer]) + batch_tokens * per_token
 
@@ -301,7 +314,7 @@ def gpu_step(cfg: FractusConfig, *, batch_size: int, chunk_len: int, launches: i
     step_s = max(device_s, host_s)
     return {"device_s": device_s, "host_s": host_s, "step_s": step_s, "bound": "host" if host_s > device_s else "device",
             "tok_s": tokens / step_s, "mfu": tokens / step_s * rf["flops_per_token"] / peak_flops,
-            "memory_gb": training_memory(cfg, tokens, optimizer, dtype_bytes) / 1e9}
+            "memory_gb": training_memory(cfg, tokens, optimizer, dtype_bytes, chunk_len=chunk_len) / 1e9}
 
 
 def h200_rows(sweep, setup, host_op_s: float, target: tuple[str, float] = ("1b", 150_000.0),

@@ -42,7 +42,7 @@ from fractus.bench.throughput import TrainingStep, measure_training
 
 PRESETS = ("palier0", "palier1", "palier2")  # each also as the original architecture, original-<name>
 BATCHES = (1, 8, 32)
-CHUNK = 32  # positions per micro-step: the presets' own chunk length
+CHUNK = 32  # positions per micro-step: the CPU targets' chunk length (fractus.bench.throughput.CPU_TARGETS)
 STEP = dict(chunk_len=CHUNK, accum=1, optimizer="adamw", lr=1e-3)  # the trainer's step as checked
 TINY = dict(SMOKE_DIMS, vocab_size=512)  # the per-op overhead's widths (the 'tiny' preset's)
 # the sizes of a run: FRACTUS_SMOKE's checks its code at tiny widths on one thread (tiny models are

@@ -132,7 +132,8 @@ def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> Itera
     """A row per configuration of the sweep as it is measured; a failing one is an error row."""
     for preset, batches, chunk in (DRY_SWEEP if dry_run else TRAIN_SWEEP):
         rec = train_setup(preset, chunk)
-        flops = sum(flops_per_token(rec.config(), training=True, head_positions=rec.head_positions).values())
+        flops = sum(flops_per_token(rec.config(), training=True, chunk_len=rec.chunk_len,
+                                    head_positions=rec.head_positions).values())
         for b in batches:
             kw = dict(train_setup(preset, chunk, b).trainer_kwargs(), steps=3, warmup=2, device=str(device),
                       bf16=True)

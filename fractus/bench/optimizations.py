@@ -86,8 +86,7 @@ class Setup:
     def config(self) -> FractusConfig:
         base = FractusConfig.preset(self.preset, **dict(self.dims))
         over = dict(vocab_size=self.vocab_size, tie_head=self.tie_head, fused_ce=self.fused_ce,
-                    detach_kuramoto=self.detach_kuramoto, chunk_len=self.chunk_len,
-                    top_k=base.top_k if self.sparse_moe else base.n_experts)
+                    detach_kuramoto=self.detach_kuramoto, top_k=base.top_k if self.sparse_moe else base.n_experts)
         return FractusConfig.preset(self.preset, **{**dict(self.dims), **over})
 
     def tokens_per_step(self) -> int:

@@ -33,7 +33,7 @@ class TrainingStep:
                  bf16: bool = False, compile: bool = False, device: str = "cpu", seed: int = 0, **overrides):
         torch.manual_seed(seed)
         self.device = torch.device(device)
-        self.config = FractusConfig.preset(preset, chunk_len=chunk_len, **overrides)
+        self.config = FractusConfig.preset(preset, **overrides)
         with self.device:  # initialised where it runs (a 1B model's CPU init takes seconds)
             self.model = FractusCTE(self.config)
         self.opt = make_optimizer(self.model, optimizer, lr, 0.0)

@@ -280,7 +280,7 @@ def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int 
     from fractus.model import FractusConfig, FractusCTE
     from fractus.verify.cases import GEN_PROMPT
     from fractus.train import autocast, micro_steps, set_active_blocks
-    cfg = FractusConfig.preset(preset, chunk_len=chunk_len, backend="triton", **overrides)
+    cfg = FractusConfig.preset(preset, backend="triton", **overrides)
     torch.manual_seed(0)
     model = FractusCTE(cfg)
     cpu = torch.device("cpu")

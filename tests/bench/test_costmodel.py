@@ -70,7 +70,7 @@ def test_the_gpu_counts_matmul_flops_as_the_cpu_path_runs_them(preset, one_threa
     step.forward_backward(0)
     ops = C.trace_step(step, 1 << 25)
     traced = sum(op.flops for op in ops if op.phase == "step" and op.is_matmul())
-    counted = sum(3 * mm for mm, _ in cm._forward_flops(step.config, "all", None).values()) * 2 * C.CHUNK
+    counted = sum(3 * mm for mm, _ in cm._forward_flops(step.config, C.CHUNK, "all", None).values()) * 2 * C.CHUNK
     assert traced == pytest.approx(counted, rel=0.05)
 
 
@@ -89,6 +89,6 @@ def test_the_h200_column_and_its_smallest_batch(one_thread):
 
 def test_memory_grows_with_the_batch_and_the_optimizers_state():
     cfg = cm.FractusConfig.preset("palier2")
-    small, large = (cm.training_memory(cfg, n, "sgd") for n in (1024, 8192))
+    small, large = (cm.training_memory(cfg, n, "sgd", chunk_len=128) for n in (1024, 8192))
     assert large > small > 12 * cm.num_params(cfg)
-    assert cm.training_memory(cfg, 1024, "adamw") - small == pytest.approx(4 * cm.num_params(cfg))
+    assert cm.training_memory(cfg, 1024, "adamw", chunk_len=128) - small == pytest.approx(4 * cm.num_params(cfg))

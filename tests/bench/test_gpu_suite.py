@@ -272,16 +272,18 @@ def test_the_training_sweep_measures_each_presets_own_model(monkeypatch):
     assert [kw["batch_size"] for _, kw in seen] == list(batches)
     for p, kw in seen:
         over = {k: v for k, v in kw.items() if k in FractusConfig.__dataclass_fields__}
-        assert FractusConfig.preset(p, **over) == FractusConfig.preset(preset, chunk_len=chunk)
+        assert FractusConfig.preset(p, **over) == FractusConfig.preset(preset) and kw["chunk_len"] == chunk
         assert (kw["head_positions"], kw["accum"], kw["optimizer"]) == ("all", 1, "sgd")
     for p, _, c in sweep + gpu.DRY_SWEEP:
-        assert gpu.train_setup(p, c).config() == FractusConfig.preset(p, chunk_len=c)
-    compiled = [(p, kw["batch_size"], FractusConfig.preset(p, **{k: v for k, v in kw.items() if k in fields}))
+        rec = gpu.train_setup(p, c)
+        assert rec.config() == FractusConfig.preset(p) and rec.chunk_len == c
+    compiled = [(p, kw["batch_size"], kw["chunk_len"],
+                 FractusConfig.preset(p, **{k: v for k, v in kw.items() if k in fields}))
                 for p, kw in gpu.model_runs() if kw["steps"] and kw["head_positions"] == "all"
                 for fields in [FractusConfig.__dataclass_fields__]]
     for p in ("palier0", "palier2"):
         for b in (8, 16):
-            assert (p, b, FractusConfig.preset(p, chunk_len=chunk)) in compiled
+            assert (p, b, chunk, FractusConfig.preset(p)) in compiled
 
 
 def test_nvidia_driver_version_from_nvidia_smi(tmp_path, monkeypatch):
