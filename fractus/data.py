@@ -242,8 +242,8 @@ def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> n
 
 @dataclass
 class _Reader:
-    """What both readings of a token array share: its sizes, this process's rank among ``world``,
-    and ``position``, the batches read so far (all a checkpoint needs)."""
+    """What :class:`TokenStreams` and :class:`ShuffledWindows` share: their sizes, this process's
+    rank among ``world``, and ``position``, the batches read so far (all a checkpoint needs)."""
     tokens: np.ndarray
     batch_size: int
     chunk_len: int
@@ -293,7 +293,7 @@ class TokenStreams(_Reader):
 @dataclass
 class ShuffledWindows(_Reader):
     """Non-overlapping windows of ``chunk_len`` tokens in a random order, ``batch_size`` per call
-    per process: the reading of a model that carries no state.
+    per process, each read from an empty state: the trainer's default sampling (``--sampling windows``).
 
     Each epoch cuts the token array into windows from a random offset below ``chunk_len`` and
     visits all of them once, in a random order; epoch e's offset and order come from a generator

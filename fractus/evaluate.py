@@ -1,9 +1,11 @@
 """Evaluate a checkpoint: ``python -m fractus.evaluate CKPT --data DIR [--split val] [--streams 8]``.
 
 Cross-entropy in nats/token, bits per byte and perplexity of the checkpoint's model on a split
-prepared by :mod:`fractus.data`, read as ``--streams`` contiguous streams of ``--chunk-len``-token
-chunks, each starting from an empty attention state that is then carried (the trainer's own
-validation, :func:`fractus.train.evaluate_text`). ``--csv FILE`` appends the result as a row with its
+prepared by :mod:`fractus.data`, read as the trainer's own validation reads it
+(:func:`fractus.train.evaluate_text`): a CTE as ``--streams`` contiguous streams of
+``--chunk-len``-token chunks, each starting from an empty attention state that is then carried; a
+Transformer++, which carries no state, in sliding windows of its context every half context,
+``--streams`` windows at a time. ``--csv FILE`` appends the result as a row with its
 provenance (machine, versions, git sha, date); a FILE that is not such a CSV is refused before the
 evaluation, and a non-finite CE is an error that writes nothing.
 """

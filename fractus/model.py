@@ -3,14 +3,15 @@
 A stack of pre-norm blocks, each: multi-level causal linear attention with a carried state
 per (level, head) → a Kuramoto phase clock integrated per token → phase-routed top-k sparse
 low-rank experts (beside a dense shared expert when ``shared_expert`` > 0, off by default). Tied head behind a
-final LayerNorm. The only state that crosses positions is each block's attention state (and its
-short convolution's last inputs), so ``forward`` over a chunk and ``step`` token by token compute
-the same logits.
+final LayerNorm. The only state that crosses positions is each block's attention state
+(:data:`State`): (S, z) per (level, head) and, when the config has them, the short convolution's
+last inputs and the window level's last keys and values with their presence; so ``forward`` over a
+chunk and ``step`` token by token compute the same logits.
 
 :class:`FractusConfig` holds the dimensions and the levers; :data:`RECIPE` is the default
 architecture, :data:`ORIGINAL` the original one (presets ``original-<name>``).
 
-Shapes: B streams, T positions, d = d_model, H heads of D, Lv levels, E experts, K = top_k.
+Shapes: B rows (batch), T positions, d = d_model, H heads of D, Lv levels, E experts, K = top_k.
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ from fractus.kernels.moe import moe
 
 PHI = (1 + 5 ** 0.5) / 2
 
-# per block: (S [B, Lv, H, D, D], z [B, Lv, H, D]) fp32; with a short convolution its last W − 1
-# inputs [B, W − 1, 3d] fp32; with a window level its last P = attn_window − 1 keys and values
-# [B, P, H, D] fp32 and which of them exist yet [B, P] (1.0 or 0.0)
+# per block: (S [B, Lv, H, D, D], z [B, Lv, H, D]) fp32; with a short convolution its last
+# short_conv − 1 inputs [B, short_conv − 1, 3d] fp32; with a window level its last P = attn_window − 1
+# keys and values [B, P, H, D] fp32 and which of them exist yet [B, P] (1.0 or 0.0)
 State = list[tuple[torch.Tensor, ...]]
 
 
@@ -382,7 +383,8 @@ class _Taps(torch.autograd.Function):
 
 
 class LinearAttention(nn.Module):
-    """Multi-level causal linear attention; carries (S, z) per (level, head).
+    """Multi-level causal linear attention; carries (S, z) per (level, head) and, when the config
+    has them, the short convolution's last inputs and the window level's last keys and values.
 
     q, k, v = LN(h)·W + b in H heads of D (through a short causal convolution when
     ``short_conv``; RMS-normalised per head when ``qk_norm``). Level l, feature map
@@ -411,8 +413,13 @@ class LinearAttention(nn.Module):
         self.omegas = level_omegas(Lv)
 
     def forward(self, h: torch.Tensor, state, resets: torch.Tensor | None = None):
-        """h [B, T, d], state (S, z[, conv buffer]) or None, resets [B, T] bool or None (the state
-        starts afresh before those positions) → (residual update [B, T, d], new state)."""
+        """h [B, T, d], state or None, resets [B, T] bool or None (the state starts afresh before
+        those positions) → (residual update [B, T, d], new state of the same form).
+
+        The state is a tuple, all fp32: S [B, Lv, H, D, D] and z [B, Lv, H, D]; then, when
+        ``short_conv`` > 0, the convolution's last inputs [B, short_conv − 1, 3d]; then, when
+        ``attn_window`` > 0, the window's last keys and values [B, P, H, D] (P = attn_window − 1)
+        and which of them exist yet [B, P] (1.0 or 0.0)."""
         B, T, d = h.shape
         H, D = self.cfg.n_heads, self.cfg.d_head
         qkv = self.qkv(self.ln(h))
@@ -629,8 +636,10 @@ class FractusCTE(nn.Module):
         check_token_ids(idx, self.cfg.vocab_size)
 
     def check_state(self, state: State, batch_size: int) -> None:
-        """Raise ValueError unless ``state`` is a state of this model for ``batch_size`` streams:
-        one tuple per block of (S, z) and, with a short convolution, its buffer, each [B, …]."""
+        """Raise ValueError unless ``state`` is a state of this model for ``batch_size`` rows: one
+        tuple per block of (S, z), then the short convolution's buffer when ``short_conv`` > 0, then
+        the window's keys, values and presence when ``attn_window`` > 0 (:data:`State`), each a
+        tensor [B, …] with B = ``batch_size``."""
         if not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
             n = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
             raise ValueError(f"state holds {n} blocks' state, the model has {len(self.blocks)} blocks")
