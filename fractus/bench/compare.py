@@ -40,8 +40,8 @@ MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 t
                         sampling="streams"),
 }
 # Variants of the default and of the baseline tried beside the three models, each named by what it
-# changes: "− window" turns the softmax window level off; a reading of the corpus other than the
-# default's 8 shuffled windows of 256 is named.
+# changes: "− window" turns the softmax window level off, "window 128" doubles its width; a sampling
+# of the corpus other than the default's 8 shuffled windows of 256 is named.
 LEVERS = {name: Variant(name, group, model=model, preset="palier0", changes=changes, chunk_len=chunk, batch_size=batch,
                         sampling=sampling, warmup=warmup)
           for name, group, model, changes, chunk, batch, sampling, warmup in (
@@ -49,6 +49,7 @@ LEVERS = {name: Variant(name, group, model=model, preset="palier0", changes=chan
               ("default, 32 streams of 64", "lever", "cte", (), 64, 32, "streams", None),
               ("default − window, 8 streams of 256", "lever", "cte", (("attn_window", 0),), 256, 8, "streams", None),
               ("default − window", "lever", "cte", (("attn_window", 0),), 256, 8, "windows", None),
+              ("default, window 128", "lever", "cte", (("attn_window", 128),), 256, 8, "windows", None),
               # a linear warm-up over 5 % of the run's steps (73 at 3 M tokens) instead of the trainer's 50
               ("default, 5 % warm-up", "lever", "cte", (), 256, 8, "windows", 0.05),
               ("transformer, 5 % warm-up", "baseline", "transformer", (), 256, 8, "windows", 0.05))}
