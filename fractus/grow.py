@@ -64,7 +64,7 @@ from fractus.model import FractusConfig, FractusCTE, farey_phases
 # Config fields that growth keeps, and those that may only grow.
 FIXED = ("vocab_size", "n_levels", "top_k", "router", "tie_head", "kuramoto_steps", "kuramoto_dt",
          "kuramoto_damping", "gate_tau", "eps", "attn_norm", "attn_gate", "short_conv", "qk_norm", "eot_reset",
-         "attn_window")
+         "attn_window", "decay_gate")
 GROWN = ("d_model", "n_heads", "n_layers", "n_experts", "expert_d_ff", "expert_rank",
          "n_oscillators", "coupling_rank", "shared_expert")
 GATE_MARGIN = 0.5  # logits by which a new expert stays below every old token's k-th expert
@@ -191,6 +191,11 @@ def _grow_attention(a, b, src: FractusConfig, cfg: FractusConfig, c: float) -> N
             a.conv.weight[:, p * d2:p * d2 + d].copy_(b.conv.weight[:, p * d:(p + 1) * d])
     if a.rms_scale is not None:
         a.rms_scale[:src.n_heads].copy_(b.rms_scale)
+    if a.decay_proj is not None:  # rows level-major (l·H + h): old heads' rows, old columns
+        H, H2 = src.n_heads, cfg.n_heads
+        for lv in range(src.n_levels):
+            a.decay_proj.weight[lv * H2:lv * H2 + H, :d].copy_(b.decay_proj.weight[lv * H:(lv + 1) * H])
+            a.decay_proj.bias[lv * H2:lv * H2 + H].copy_(b.decay_proj.bias[lv * H:(lv + 1) * H])
     a.out.weight.copy_(_writer(_padded(b.out.weight, (d, d2)), 0, d2, c))
     a.out.bias.copy_(_writer(b.out.bias, 0, d2, c))
     a.level_logits.copy_(b.level_logits)

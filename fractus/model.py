@@ -49,6 +49,7 @@ class FractusConfig:
     n_levels: int = 2
     # the levers (defaults: the recipe at palier0; ORIGINAL holds the original architecture's values)
     attn_decay: float | tuple[float, ...] | str = "multiscale"  # γ: one for all, per head, per (level, head), "multiscale"
+    decay_gate: bool = True  # data-dependent decay: γ_t = γ^softplus(LN(h_t)·a + c) per (level, head)
     attn_norm: str = "denominator"  # "denominator" (f(q)ᵀz) or "rms" (per-head RMSNorm of the numerator)
     attn_gate: bool = True  # swish output gate: o ← o ⊙ silu(LN(h)·W_g)
     short_conv: int = 4  # width of a causal depthwise convolution on q, k, v (0: none)
@@ -185,7 +186,8 @@ _FIELD_CHECKS = {  # field → (what it must be, check)
     "n_levels": _int_min(1),
     "attn_decay": ("a number in (0, 1], a list of one per head or per (level, head), or 'multiscale'",
                    lambda v: _decay(v) or v == "multiscale" or isinstance(v, (list, tuple)) and all(map(_decay, v))),
-    "attn_norm": _one_of("denominator", "rms"), "attn_gate": _BOOL, "short_conv": _int_min(0), "qk_norm": _BOOL,
+    "attn_norm": _one_of("denominator", "rms"), "decay_gate": _BOOL, "attn_gate": _BOOL,
+    "short_conv": _int_min(0), "qk_norm": _BOOL,
     "eot_reset": _BOOL, "attn_window": _int_min(0),
     "shared_expert": _int_min(0), "expert_init_std": _POSITIVE,
     "n_experts": _int_min(1), "top_k": _int_min(1), "expert_d_ff": _int_min(1), "expert_rank": _int_min(0),
@@ -200,10 +202,10 @@ _FIELD_CHECKS = {  # field → (what it must be, check)
 # The levers as the original architecture has them: one state with no decay (γ = 1), read through
 # the z-denominator, no output norm or gate, no convolution, no shared expert, a state that runs
 # across documents. Presets "original-<name>" are these at <name>'s dimensions.
-ORIGINAL = dict(attn_decay=1.0, attn_norm="denominator", attn_gate=False, short_conv=0, qk_norm=False,
-                attn_window=0, eot_reset=False, shared_expert=0, expert_init_std=0.02)
-# The default: the levers the ablation keeps (notebooks/06_architecture.ipynb) and the window level, the
-# best measured against the Transformer++ (results/compare_cpu.csv).
+ORIGINAL = dict(attn_decay=1.0, decay_gate=False, attn_norm="denominator", attn_gate=False, short_conv=0,
+                qk_norm=False, attn_window=0, eot_reset=False, shared_expert=0, expert_init_std=0.02)
+# The default: the levers the ablation keeps (notebooks/06_architecture.ipynb), the window level and
+# the decay gate, the best measured against the Transformer++ (results/compare_cpu.csv).
 RECIPE = {f.name: f.default for f in fields(FractusConfig) if f.name in ORIGINAL}
 
 # The dimensions of each size ("palier": a rung of the growth ladder, each one grown from the last).
@@ -389,7 +391,9 @@ class LinearAttention(nn.Module):
     q, k, v = LN(h)·W + b in H heads of D (through a short causal convolution when
     ``short_conv``; RMS-normalised per head when ``qk_norm``). Level l, feature map
     f_l(u) = elu(u + ω_l) + 1: S_t = γ_{l,h}·S_{t−1} + f_l(k_t) v_tᵀ, z_t = γ_{l,h}·z_{t−1} + f_l(k_t)
-    (inclusive of t); y_l = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + ε) with ``attn_norm="denominator"``,
+    (inclusive of t; with ``decay_gate`` the decay is the token's own, γ_{t,l,h} = γ_{l,h}^Δ,
+    Δ = softplus(LN(h_t)·a_{l,h} + c_{l,h}), a = 0 and Δ = 1 at initialisation);
+    y_l = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + ε) with ``attn_norm="denominator"``,
     y_l = f_l(q_t)ᵀ S_t with "rms"; o = Σ_l softmax(level_logits)_l·y_l, then for "rms" a per-head
     RMSNorm over D, for ``attn_gate`` ⊙ silu(LN(h)·W_g), then W_o, b_o. With ``attn_window`` = W,
     one more level reads the same q, k, v by softmax attention over the last W positions
@@ -405,6 +409,11 @@ class LinearAttention(nn.Module):
         self.qkv = nn.Linear(d, (4 if cfg.attn_gate else 3) * d)  # q, k, v and the gate's W_g, b_g: one matmul
         self.conv = ShortConv(3 * d, cfg.short_conv) if cfg.short_conv else None
         self.rms_scale = nn.Parameter(torch.ones(H, cfg.d_head)) if cfg.attn_norm == "rms" else None
+        self.decay_proj = None
+        if cfg.decay_gate:  # starts as the fixed decay: a = 0, softplus(c) = 1
+            self.decay_proj = nn.Linear(d, Lv * H)
+            nn.init.zeros_(self.decay_proj.weight)
+            nn.init.constant_(self.decay_proj.bias, math.log(math.e - 1))
         self.out = nn.Linear(d, d)
         self.level_logits = nn.Parameter(torch.zeros(Lv))
         self.window_logit = nn.Parameter(torch.zeros(1)) if cfg.attn_window else None
@@ -422,7 +431,8 @@ class LinearAttention(nn.Module):
         and which of them exist yet [B, P] (1.0 or 0.0)."""
         B, T, d = h.shape
         H, D = self.cfg.n_heads, self.cfg.d_head
-        qkv = self.qkv(self.ln(h))
+        x = self.ln(h)
+        qkv = self.qkv(x)
         gate = None
         if self.cfg.attn_gate:
             qkv, gate = qkv[..., :3 * d], qkv[..., 3 * d:]
@@ -435,6 +445,9 @@ class LinearAttention(nn.Module):
         if self.cfg.qk_norm:
             q, k = F.rms_norm(q, (D,)), F.rms_norm(k, (D,))
         decay = None if all(gam == 1 for gam in self.cfg.decays) else self.decay  # from the config: no sync
+        if self.decay_proj is not None:  # [B, T, Lv, H], fp32
+            delta = F.softplus(self.decay_proj(x).float()).view(B, T, self.cfg.n_levels, H)
+            decay = torch.exp(delta * torch.log(self.decay.expand(self.cfg.n_levels, H)))
         logits = self.level_logits if self.window_logit is None else torch.cat([self.level_logits, self.window_logit])
         weights = logits.softmax(0)
         o, new_state = linear_attention(q, k, v, weights[:self.cfg.n_levels], self.omegas,

@@ -25,8 +25,14 @@ from fractus.model import FractusConfig
 # AdamW's peak learning rate per model family, each the rate of lowest mean validation CE at make
 # demo's setting (results/compare_cpu.csv, notebook 06): the default CTE, the original architecture,
 # the Transformer++
-ADAMW_LR = {"cte": 3e-3, "original": 1.5e-3, "transformer": 7.5e-4}
+ADAMW_LR = {"cte": 6e-3, "original": 1.5e-3, "transformer": 1.5e-3}
 DEFAULT_LR = {"sgd": 0.1, "adamw": ADAMW_LR["cte"], "rmsprop": 2e-3}  # each optimizer's peak learning rate
+WARMUP_FRACTION = 0.05  # the default linear warm-up: this fraction of the run's optimizer steps
+
+
+def warmup_steps(warmup: int | None, total_steps: int) -> int:
+    """The run's warm-up in optimizer steps: ``--warmup`` if given, else WARMUP_FRACTION of them."""
+    return round(WARMUP_FRACTION * total_steps) if warmup is None else warmup
 
 
 def model_family(model: str | None, preset: str) -> str:
@@ -147,7 +153,8 @@ OPTIONAL_STATE = {
 SAVED_ARGS = {
     **{k: (lambda v: isinstance(v, str), "a str") for k in ("preset", "data", "head_positions")},
     **{k: (lambda v: _int(v, 1), "an integer ≥ 1") for k in ("tokens", "batch_size", "chunk_len", "accum")},
-    **{k: (_int, "an integer ≥ 0") for k in ("warmup", "active_blocks")},
+    "active_blocks": (_int, "an integer ≥ 0"),
+    "warmup": (lambda v: v is None or _int(v), "None (5 % of the steps) or an integer ≥ 0"),
     **{k: (_real, "a finite number") for k in ("weight_decay", "min_lr_ratio", "grad_clip")},
     **{k: (lambda v: v is None or _real(v), "None or a finite number") for k in ("lr", "lb_coef")},
     "seed": (lambda v: _int(v, -2**63), "an integer"),

@@ -45,8 +45,8 @@ from fractus.grow import grow
 from fractus.kernels.backend import BACKENDS, check_available
 from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.records import provenance
-from fractus.resume import (ADAMW_LR, DEFAULT_LR, SAMPLING, check_against_run, check_settings, check_training_state, data_identity,
-                            load_optimizer_state, run_settings)
+from fractus.resume import (ADAMW_LR, DEFAULT_LR, SAMPLING, WARMUP_FRACTION, check_against_run, check_settings,
+                            check_training_state, data_identity, load_optimizer_state, run_settings, warmup_steps)
 from fractus.runs import (RunInUse, append_metrics, check_metrics_record, planned_steps, record_final,
                           remove_leftover_temps, run_lock, truncate_metrics)
 from fractus.sample import PROMPTS, sample_text
@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lr", type=rate, default=None, help=f"peak learning rate (default: AdamW's tuned per model, {ADAMW_LR}; "
                                               f"SGD's {DEFAULT_LR['sgd']}, RMSprop's {DEFAULT_LR['rmsprop']})")
     a("--weight-decay", type=rate, default=0.1, help="weight decay of the matrices (the embedding included; not gains or biases)")
-    a("--warmup", type=natural, default=50, help="warm-up optimizer steps")
+    a("--warmup", type=natural, default=None,
+      help=f"linear warm-up, in optimizer steps (default: {WARMUP_FRACTION:.0%} of the run's steps)")
     a("--min-lr-ratio", type=number(float, lambda x: 0 <= x <= 1, "≥ 0 and ≤ 1"), default=0.1,
       help="cosine decay floor, as a fraction of --lr")
     a("--grad-clip", type=non_negative, default=1.0, help="gradient norm clip (0 = none)")
@@ -309,7 +310,8 @@ def set_up(args: argparse.Namespace) -> Run:
         model = grow(args.grow_from, cfg) if args.grow_from and not args.resume else FractusCTE(cfg)
     model = model.to(device)
     opt = make_optimizer(model, args.optimizer, settings["lr"], args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, total_steps, args.min_lr_ratio))
+    warmup = warmup_steps(args.warmup, total_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total_steps, args.min_lr_ratio))
     return Run(args, rank, world, device, meta, streams, val_tok, cfg, settings, total_steps, model, opt, sched)
 
 
@@ -368,7 +370,8 @@ def announce(r: Run) -> None:
           f"({r.model.num_params(active=True):,} active per token), vocab {r.cfg.vocab_size}, "
           f"{r.device}{' bf16' if r.bf16 else ''}, {r.world} process(es)")
     print(f"global batch {r.world}×{args.batch_size} {r.settings['sampling']} × {args.chunk_len} × accum {args.accum} = "
-          f"{r.tokens_per_step:,} tokens/step, lr {r.settings['lr']:g} ({args.optimizer}), {r.total_steps} steps")
+          f"{r.tokens_per_step:,} tokens/step, lr {r.settings['lr']:g} ({args.optimizer}), {r.total_steps} steps, "
+          f"warm-up {warmup_steps(args.warmup, r.total_steps)}")
 
 
 def train_loop(r: Run, p: Progress, fwd, net, token_bytes: torch.Tensor, stop: Stop) -> tuple[dict, bool, bool]:

@@ -77,6 +77,8 @@ VARIANTS = [("linear-router", dict(router="linear"), {}), ("dense-experts", dict
             ("eot-reset-conv2", dict(eot_reset=True, short_conv=2), {}),
             ("rms-no-gate-qk-norm", dict(attn_norm="rms", attn_gate=False, qk_norm=True), {}),
             ("window", dict(attn_window=6), {}),
+            ("decay-gate", dict(decay_gate=True, attn_decay=(0.9, 0.95, 0.8, 0.85)),
+             dict(attn_decay=(0.9, 0.95, 0.7, 0.6, 0.8, 0.85, 0.99, 0.5))),
             ("original", dict(ORIGINAL), dict(ORIGINAL))]
 
 

@@ -30,20 +30,25 @@ def random_configs(n=8):
             expert_d_ff=24, expert_rank=rng.choice([0, 4]), n_oscillators=rng.choice([4, 8]), coupling_rank=2,
             router=rng.choice(["phase", "linear"]), detach_kuramoto=rng.choice([True, False]))
         window = rng.choice([0, 5])
-        yield dataclasses.replace(cfg, attn_window=window)
+        gated = rng.choice([True, False])
+        yield dataclasses.replace(cfg, attn_window=window, decay_gate=gated)
 
 
 def config_id(c: FractusConfig) -> str:
     return (f"L{c.n_levels}H{c.n_heads}r{c.expert_rank}{c.router}-{c.attn_norm}-conv{c.short_conv}"
             f"{'-gate' if c.attn_gate else ''}{'-qkn' if c.qk_norm else ''}{'-eot' if c.eot_reset else ''}"
-            f"{f'-win{c.attn_window}' if c.attn_window else ''}")
+            f"{f'-win{c.attn_window}' if c.attn_window else ''}{'-dgate' if c.decay_gate else ''}")
 
 
 @pytest.mark.parametrize("cfg", list(random_configs()), ids=config_id)
 def test_decode_equals_chunked_forward(cfg):
     """T steps == two chunks with the carried state == one chunk (fp32, 1e-5), end-of-text tokens
-    included (with eot_reset they start the state afresh, the convolution's buffer too)."""
+    included (with eot_reset they start the state afresh, the convolution's buffer too). A decay
+    gate's weights are drawn at random, so that each token's decay is its own."""
     model = FractusCTE(cfg).eval()
+    for block in model.blocks:
+        if block.attn.decay_proj is not None:
+            torch.nn.init.normal_(block.attn.decay_proj.weight, std=1.0)
     x = torch.randint(0, cfg.vocab_size, (2, 37))
     x[0, [3, 19, 20]] = x[1, 30] = cfg.vocab_size - 1
     with torch.no_grad():
@@ -199,7 +204,7 @@ def test_1b_parameter_count():
             model = FractusCTE(FractusConfig.preset(name))
         counts[name] = (model.num_params(), model.num_params(active=True), model.num_params(active=True, embedding=False))
     assert counts["original-1b"] == (1_048_961_456, 183_464_432, 119_135_472), counts
-    assert counts["1b"] == (1_075_442_112, 209_945_088, 145_616_128), counts
+    assert counts["1b"] == (1_076_261_952, 210_764_928, 146_435_968), counts
 
 
 def test_presets_and_spec_constants():
@@ -300,7 +305,7 @@ BAD_FIELDS = [("n_layers", 0), ("n_layers", 2.5), ("n_layers", "abc"), ("n_layer
               ("kuramoto_dt", float("nan")), ("gate_tau", -1.0), ("gate_kappa", 0.0), ("lb_coef", -0.1),
               ("lb_coef", "x"), ("eps", float("inf")), ("kuramoto_damping", -1), ("backend", "cuda"),
               ("router", None), ("attn_decay", "0.9"), ("attn_decay", [0.9, True]), ("attn_decay", 0),
-              ("attn_window", -1), ("attn_window", 2.0)]
+              ("attn_window", -1), ("attn_window", 2.0), ("decay_gate", 1)]
 
 
 @pytest.mark.parametrize("name,value", BAD_FIELDS, ids=lambda v: repr(v))

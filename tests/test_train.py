@@ -23,7 +23,7 @@ from fractus.data import TokenStreams, load_tokens, prepare, write_toy_corpus
 from fractus.data import main as data_main
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
-from fractus.resume import ADAMW_LR, RESUME_KEYS
+from fractus.resume import ADAMW_LR, RESUME_KEYS, warmup_steps
 from fractus.runs import METRIC_FIELDS
 from fractus.tokenizer import get_tokenizer
 from fractus.train import NonFiniteLoss, main, micro_steps, set_active_blocks, train
@@ -58,6 +58,14 @@ def reference(data, tmp_path_factory):
     rows = metrics(out)
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1)) and rows[-1]["val_ce"]  # a row per step
     return rows
+
+
+def test_the_default_warm_up_is_five_percent_of_the_run_s_steps(reference):
+    """The reference run's 80 steps warm up over 4: each row records the rate of the next step,
+    (s + 1)/4 of the peak at step s, then the peak, then the cosine decay."""
+    assert warmup_steps(None, 1465) == 73 and warmup_steps(None, 13184) == 659 and warmup_steps(50, 1465) == 50
+    lr = [float(r["lr"]) / ADAMW_LR["cte"] for r in reference]
+    assert lr[:4] == pytest.approx([0.5, 0.75, 1.0, 1.0]) and lr[4] < 1.0
 
 
 def test_kill9_then_resume_equals_uninterrupted(data, reference, tmp_path):

@@ -27,7 +27,8 @@ STEP_TOKENS = 2048  # tokens per optimizer step, every variant (make demo's: 8 w
 LEVER_NAMES = {"attn_decay": "multi-scale decay", "attn_norm": "RMSNorm read-out (no denominator)",
                "attn_gate": "swish output gate", "short_conv": "short convolution", "qk_norm": "RMS-normalised q, k",
                "shared_expert": "shared expert", "expert_init_std": "expert output init",
-               "eot_reset": "state reset at end of text", "attn_window": "softmax window level"}
+               "eot_reset": "state reset at end of text", "attn_window": "softmax window level",
+               "decay_gate": "decay gate"}
 # Levers tried beside the recipe and not kept: the value each is tried with ("2d": twice d_model).
 TRIED = {"attn_norm": "rms", "qk_norm": True, "eot_reset": True, "shared_expert": "2d"}
 
@@ -44,7 +45,7 @@ class Variant:
     chunk_len: int = 256
     batch_size: int = 8  # windows or streams; accumulation: STEP_TOKENS / (batch_size · chunk_len)
     sampling: str | None = None  # the trainer's --sampling (None: its default, shuffled windows)
-    warmup: float | None = None  # the trainer's --warmup as a fraction of the run's optimizer steps (None: its default)
+    warmup: int | None = None  # the trainer's --warmup, in optimizer steps (None: its default, 5 % of the run's)
 
     @property
     def changes_cli(self) -> str:
@@ -60,7 +61,7 @@ class Variant:
                 "--accum", str(accum), "--seed", str(seed), "--threads", str(threads), "--eval-every", "0",
                 "--ckpt-every", "0", "--sample-tokens", "0", "--no-progress", *(["--set", *sets] if sets else []),
                 *(["--sampling", self.sampling] if self.sampling else []),
-                *(["--warmup", str(round(self.warmup * -(-tokens // STEP_TOKENS)))] if self.warmup is not None else [])]
+                *(["--warmup", str(self.warmup)] if self.warmup is not None else [])]
 
 
 def _cli(v) -> str:

@@ -96,6 +96,9 @@ def _forward_flops(cfg: FractusConfig, chunk_len: int, head_positions: str, attn
     attn_mm = (8 + 2 * gate) * d * d + Lv * (4 * d * c + 4 * d * D)
     attn_ew = Lv * 2 * d * (TRANSCENDENTAL + 2) + Lv * 3 * d + 2 * d  # features, divide, mix, residual
     attn_ew += 2 * 3 * d * W + gate * d * (TRANSCENDENTAL + 3) + (cfg.attn_norm == "rms") * d * NORM_FLOPS
+    G = Lv * cfg.n_heads * cfg.decay_gate  # the decay gate: one decay per (level, head) and token
+    attn_mm += 2 * d * G
+    attn_ew += G * (3 * TRANSCENDENTAL + 4)  # softplus, the power of γ, its log; the sums within a chunk
     keys = _window_keys(cfg, chunk_len)
     attn_mm += 4 * d * keys
     attn_ew += (keys > 0) * (cfg.n_heads * keys * (TRANSCENDENTAL + 3) + 2 * 3 * d + 2 * d)  # softmax, RoPE, mix
@@ -146,6 +149,7 @@ def weight_counts(cfg: FractusConfig) -> dict[str, int]:
     gate = cfg.attn_gate
     attention = (4 + gate) * d * d + (4 + gate) * d + cfg.n_levels + 3 * d * cfg.short_conv
     attention += d * (cfg.attn_norm == "rms") + (cfg.attn_window > 0)  # the window level's logit
+    attention += (d + 1) * cfg.n_levels * cfg.n_heads * cfg.decay_gate  # the decay gate's projection
     return {"embedding": cfg.vocab_size * d,
             "attention": L * attention,
             "kuramoto": L * (d * N + N + N + N * cfg.coupling_rank + cfg.coupling_rank) * (cfg.router == "phase"),
@@ -168,6 +172,7 @@ def _activation_elems(cfg: FractusConfig, chunk_len: int, head_positions: str, a
     c = _attn_chunk(chunk_len, attn_chunk)
     attn = 4 * d + 4 * d + Lv * 4 * d + Lv * 4 * d + 2 * d + 3 * d  # qkv, features, chunks, out, residual
     attn += 2 * 3 * d * (cfg.short_conv > 0) + 3 * d * cfg.attn_gate  # the convolution, the gate
+    attn += 3 * Lv * H * cfg.decay_gate  # the decay gate's logits and decays
     keys = _window_keys(cfg, chunk_len)
     attn += (keys > 0) * (8 * d + H * keys)  # the window: rotated q and k, keys, values, y; scores
     state = Lv * H * D * (D + 1) * 2 / c  # S read + written once per chunk

@@ -5,7 +5,7 @@ vs the materialising formulation (cumulative sum of [B, T, H, D, D] outer produc
 T=1024, H=16, D=64, one level, no decay: forward+backward time and peak RSS; targets ≥ 30×
 faster and ≤ 1/4 of the memory; and chunked time(T=4096) / time(T=1024) ≤ 4.5 (linear in T).
 GPU (bf16): the recurrences the models run (:data:`fractus.verify.cases.RECURRENCES`: the
-default's decay per (level, head) and the original's none, both with the carried state and the
+default's multiscale decay per (level, head), fixed, and the original's none, both with the carried state and the
 denominator), forward and forward+backward at B=8, T ∈ {512, 2048, 8192}, 2 levels × 20 heads
 (40 level·heads), D=64: Triton vs the PyTorch chunked path (fp32 inside) and
 flash-linear-attention's ``chunk_simple_gla`` when importable (on the same featured q and k, the
@@ -258,17 +258,22 @@ NAMES = ("o", "S", "z", "dq", "dk", "dv", "dw", "dS0", "dz0")
 
 
 def _outputs(backend, inputs, dtype, grad, loss_mean=0.0, normalize=True):
-    """Run on copies in dtype (state, weights fp32; fp64 for the truth): o, S, z (+ grads of a
-    fixed random loss on o, S and z with a state, on o alone without (training's), its weights
-    drawn around loss_mean); ``normalize=False``: the attention without its denominator."""
+    """Run on copies in dtype (state, weights, decay fp32; fp64 for the truth): o, S, z (+ grads of
+    q, k, v, w, a decay per position, S0, z0 for a fixed random loss on o, S and z with a state, on
+    o alone without (training's), its weights drawn around loss_mean); ``normalize=False``: the
+    attention without its denominator."""
     q, k, v, w, g, st = inputs
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    per_position = g is not None and g.dim() > 2
     leaves = [x.detach().to(dtype).requires_grad_(grad) for x in (q, k, v)]
     leaves += [w.detach().to(sdt).requires_grad_(grad)]
-    leaves += [x.detach().to(sdt).requires_grad_(grad) for x in st or ()]
+    decay = None if g is None else g.detach().to(sdt).requires_grad_(grad and per_position)
+    leaves += [decay] if per_position else []
+    states = [x.detach().to(sdt).requires_grad_(grad) for x in st or ()]
+    leaves += states
     with torch.set_grad_enabled(grad):
-        o, (S, z) = linear_attention(*leaves[:4], level_omegas(w.numel()), None if g is None else g.to(sdt),
-                                     tuple(leaves[4:]) or None, backend=backend, normalize=normalize)
+        o, (S, z) = linear_attention(*leaves[:4], level_omegas(w.numel()), decay, tuple(states) or None,
+                                     backend=backend, normalize=normalize)
     outs = [o, S, z]
     if grad:
         gen = torch.Generator().manual_seed(1)
@@ -288,12 +293,14 @@ def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
     through the interpreter, which :mod:`fractus.verify.interpret` makes round it as a GPU does):
     rel_err ≤ that of the PyTorch path in bf16 + 1e-2 (dw, a sum of B·T·H·D mostly cancelling
     terms, 3e-2). The interpreter's bf16 exceeds the PyTorch path's error at these sizes by at most
-    3.6e-3 (dq over the long call), dw by 1.7e-2 (T = 300). The default model's setting, a decay per
-    (level, head), runs with the denominator and without it. Recorded, never raised; yielded a case
+    3.6e-3 (dq over the long call), dw by 1.7e-2 (T = 300). A decay per (level, head) runs with the
+    denominator and without it; a decay per position (the decay gate) from no state, its gradient
+    checked too. Recorded, never raised; yielded a case
     and dtype at a time."""
     device = torch.device(device)
     random_state, carried = dict(decay=True, state=True), dict(history=1024 if smoke else 16384, v_mean=1.0)
     per_level, unnormalized = dict(decay="level", state=True), dict(decay="level", state=True, normalize=False)
+    gated = dict(decay="position")  # the decay gate's: from no state, the loss on o (training's)
     one_call = dict(v_mean=1.0, loss_mean=3.0)
     if smoke:
         checks = [("chunked", dict(B=2, T=40, H=2, D=48, **random_state), True),
@@ -301,7 +308,9 @@ def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
                  ("chunked", dict(B=1, T=160, H=1, D=32, **one_call), True),
                  ("chunked", dict(B=2, T=40, H=2, D=32, **per_level), True),
                  ("chunked", dict(B=2, T=40, H=2, D=32, **unnormalized), True),
+                 ("chunked", dict(B=2, T=40, H=2, D=32, **gated), True),
                  ("decode", dict(B=2, T=1, H=2, D=32, **random_state), False),
+                 ("decode", dict(B=2, T=3, H=2, D=32, state=True, **gated), False),
                  ("decode", dict(B=2, T=1, H=2, D=32, **unnormalized), False)]
     else:
         checks = [("chunked", dict(B=2, T=300, H=3, D=48, **random_state), True),
@@ -310,7 +319,9 @@ def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
                  ("chunked", dict(B=1, T=2048, H=2, D=64, **one_call), True),
                  ("chunked", dict(B=2, T=300, H=3, D=64, **per_level), True),
                  ("chunked", dict(B=2, T=300, H=3, D=64, **unnormalized), True),
+                 ("chunked", dict(B=2, T=300, H=3, D=64, **gated), True),
                  ("decode", dict(B=2, T=1, H=3, D=64, **random_state), False),
+                 ("decode", dict(B=2, T=7, H=3, D=64, state=True, **gated), False),
                  ("decode", dict(B=2, T=7, H=3, D=48, **random_state), False),
                  ("decode", dict(B=2, T=1, H=3, D=64, **unnormalized), False)]
     for kind, shape, grad in checks:
@@ -322,6 +333,8 @@ def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
                 after += f" one call v/dO means {shape['v_mean']:g}/{loss_mean:g}"
             if shape.get("decay") == "level":
                 after += " decay per level" + ("" if normalize else ", no denominator")
+            if shape.get("decay") == "position":
+                after += " decay per position"
             kernel = f"linear_attention[{kind} T={shape['T']} D={shape['D']}{after}]"
             try:
                 inputs = attention_case(**shape, levels=2, dtype=dtype, device=device, grad=False)
@@ -331,7 +344,8 @@ def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
                 lowp_rule = dtype != torch.float32 or loss_mean
                 same = _outputs("torch", inputs, dtype, grad, loss_mean, normalize) if lowp_rule else None
                 margin = 1e-2 if dtype == torch.bfloat16 else 1e-4
-                yield from common.check_rows(kernel, dtype, NAMES[:len(got)], got, truth, same, margin,
+                names = NAMES[:7] + ("ddecay",) + NAMES[7:] if shape.get("decay") == "position" else NAMES
+                yield from common.check_rows(kernel, dtype, names[:len(got)], got, truth, same, margin,
                                              margins={"dw": 3 * margin}, truth_name="fp64 reference")
             except Exception as exc:  # recorded, not raised
                 yield common.error_row(kernel, dtype, exc)

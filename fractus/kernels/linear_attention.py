@@ -1,11 +1,12 @@
 """Multi-level causal linear attention with carried state.
 
 Shapes: q, k, v [B, T, H, D] (pre feature map, any float dtype); level_weights [Lv] (already
-softmaxed); omegas Lv python floats; decay None, [H] or [Lv, H] in (0, 1]; state None or
+softmaxed); omegas Lv python floats; decay None, [H] or [Lv, H] in (0, 1], or one per position
+[B, T, H] or [B, T, Lv, H] (a data-dependent decay); state None or
 (S [B, Lv, H, D, D] fp32, z [B, Lv, H, D] fp32). Per level l the feature map is
 f_l(u) = elu(u + ω_l) + 1 and, per (b, l, h), inclusive of position t:
 
-    S_t = γ·S_{t−1} + f_l(k_t) v_tᵀ,   z_t = γ·z_{t−1} + f_l(k_t)
+    S_t = γ_t·S_{t−1} + f_l(k_t) v_tᵀ,   z_t = γ_t·z_{t−1} + f_l(k_t)   (γ_t = γ for a fixed decay)
     y_{l,t} = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + eps),   o_t = Σ_l level_weights[l]·y_{l,t}
 
 Returns o [B, T, H, D] in q's dtype and the state after the last position (S, z) in fp32.
@@ -41,11 +42,14 @@ def _check(q, k, v, level_weights, omegas, decay, state, resets=None):
         raise ValueError(f"level_weights must be [Lv]={Lv}, got {tuple(level_weights.shape)}")
     if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
         raise TypeError(f"q, k, v must be floating, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if decay is not None and (not torch.is_tensor(decay) or decay.shape not in ((H,), (Lv, H))):
-        raise ValueError(f"decay must be None or an [H]={H} or [Lv, H]={(Lv, H)} tensor, "
-                         f"got {getattr(decay, 'shape', decay)}")
-    if decay is not None and not decay.is_cuda and not bool(((decay > 0) & (decay <= 1)).all()):
-        raise ValueError(f"decay must lie in (0, 1], got {decay.tolist()}")  # checked where it costs no device sync
+    shapes = ((H,), (Lv, H), (B, T, H), (B, T, Lv, H))
+    if decay is not None and (not torch.is_tensor(decay) or decay.shape not in shapes):
+        raise ValueError(f"decay must be None or a tensor [H]={shapes[0]}, [Lv, H]={shapes[1]}, [B, T, H]={shapes[2]} "
+                         f"or [B, T, Lv, H]={shapes[3]}, got {getattr(decay, 'shape', decay)}")
+    # a fixed decay is checked where it costs no device sync; one per position is a model's own
+    # activation (the decay gate's, in (0, 1] by construction), like q, k and v not checked
+    if decay is not None and decay.dim() <= 2 and not decay.is_cuda and not bool(((decay > 0) & (decay <= 1)).all()):
+        raise ValueError(f"decay must lie in (0, 1], got {decay.tolist()}")
     if resets is not None and (not torch.is_tensor(resets) or resets.dtype != torch.bool or resets.shape != (B, T)):
         raise ValueError(f"resets must be None or a [B, T]={(B, T)} bool tensor, got {getattr(resets, 'shape', resets)}")
     if state is not None:
@@ -60,11 +64,14 @@ def _check(q, k, v, level_weights, omegas, decay, state, resets=None):
 # Reference (fp32, token by token)
 # ----------------------------------------------------------------------------------------------
 
-def _level_decays(decay, Lv: int, H: int, dtype, device) -> torch.Tensor:
-    """γ as [Lv, H]: ones for None, an [H] decay repeated for every level."""
+def _level_decays(decay, B: int, T: int, Lv: int, H: int, dtype, device) -> torch.Tensor:
+    """γ per position as [B or 1, T or 1, Lv, H]: ones for None, an [H] decay repeated for every
+    level, a fixed decay the same at every position."""
     if decay is None:
-        return torch.ones(Lv, H, dtype=dtype, device=device)
-    return decay.to(dtype).expand(Lv, H)
+        return torch.ones(1, 1, Lv, H, dtype=dtype, device=device)
+    if decay.dim() <= 2:
+        return decay.to(dtype).expand(Lv, H).view(1, 1, Lv, H)
+    return decay.to(dtype).view(B, T, -1, H).expand(B, T, Lv, H)
 
 
 def linear_attention_reference(q, k, v, level_weights, omegas, decay=None, state=None, eps=1e-6,
@@ -77,7 +84,7 @@ def linear_attention_reference(q, k, v, level_weights, omegas, decay=None, state
     dt = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
     w = level_weights.to(dt)
-    gam = _level_decays(decay, Lv, H, dt, q.device)
+    gam = _level_decays(decay, B, T, Lv, H, dt, q.device)
     if state is None:
         S = torch.zeros(B, Lv, H, D, D, dtype=dt, device=q.device)
         z = torch.zeros(B, Lv, H, D, dtype=dt, device=q.device)
@@ -90,8 +97,9 @@ def linear_attention_reference(q, k, v, level_weights, omegas, decay=None, state
         if resets is not None:
             keep = (~resets[:, t]).to(dt)
             S, z = S * keep.view(B, 1, 1, 1, 1), z * keep.view(B, 1, 1, 1)
-        S = gam.view(1, Lv, H, 1, 1) * S + fk[..., :, None] * vf[:, t, None, :, None, :]
-        z = gam.view(1, Lv, H, 1) * z + fk
+        g = gam[:, min(t, gam.shape[1] - 1)]  # [B or 1, Lv, H]
+        S = g[..., None, None] * S + fk[..., :, None] * vf[:, t, None, :, None, :]
+        z = g[..., None] * z + fk
         num = torch.einsum("blhd,blhde->blhe", fq, S)
         y = num / ((fq * z).sum(-1, keepdim=True) + eps) if normalize else num
         outs.append(torch.einsum("l,blhe->bhe", w, y))
@@ -114,9 +122,9 @@ def _fold_features(x, omegas):
 
 def _chunks(fq, fk, ve, S, lg, C, r=None):
     """Equal chunks of C positions. fq, fk [B, N, n·C, D]; ve [B, N, n·C, E] (v with a ones
-    column); S [B, N, D, E] the state before the first position; lg [N] log-decay or None;
-    r [B, n·C] bool resets or None. Returns the unnormalised outputs [B, N, n·C, E] and the state
-    after the last position."""
+    column); S [B, N, D, E] the state before the first position; lg the log-decay per position
+    [B or 1, N, n·C], or None; r [B, n·C] bool resets or None. Returns the unnormalised outputs
+    [B, N, n·C, E] and the state after the last position."""
     B, N, TT, D = fq.shape
     E = ve.shape[-1]
     n = TT // C
@@ -128,13 +136,14 @@ def _chunks(fq, fk, ve, S, lg, C, r=None):
     if lg is None:
         A = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)
         kw, qw, gC = k, q, None
-    else:
-        lgv = lg.view(N, 1)
-        M = torch.exp(lgv[..., None] * (i[:, None] - i[None, :]).clamp_min(0)) * causal  # [N, C, C]
-        A = (q @ k.transpose(-1, -2)) * M[None, :, None]
-        kw = k * torch.exp(lgv * (C - 1 - i)).view(1, N, 1, C, 1)
-        qw = q * torch.exp(lgv * (i + 1)).view(1, N, 1, C, 1)
-        gC = torch.exp(lg * C).view(1, N, 1, 1)
+    else:  # b_i = Σ_{j ≤ i} log γ_j within the chunk: position j reaches i ≥ j decayed by exp(b_i − b_j);
+        # b in fp64, so that its differences keep fp32's relative accuracy however far b has run
+        b = lg.reshape(lg.shape[0], N, n, C).double().cumsum(-1)  # [B or 1, N, n, C]
+        M = torch.exp((b[..., :, None] - b[..., None, :]).float().masked_fill(~causal, float("-inf")))  # [.., C, C]
+        A = (q @ k.transpose(-1, -2)) * M
+        kw = k * torch.exp((b[..., -1:] - b).float())[..., None]  # to the chunk's end
+        qw = q * torch.exp(b.float())[..., None]  # from the chunk's start state
+        gC = torch.exp(b[..., -1].float())[..., None, None].unbind(2)  # the start state's decay over the chunk
     carry = None
     if r is not None:  # a position reaches another iff no reset lies after the first, up to the second
         seg = r.view(B, n, C).cumsum(-1)  # resets so far in the chunk [B, n, C]
@@ -148,7 +157,7 @@ def _chunks(fq, fk, ve, S, lg, C, r=None):
         starts.append(S)
         if carry is not None:
             S = S * carry[c]
-        S = S + d if gC is None else gC * S + d
+        S = S + d if gC is None else gC[c] * S + d
     with torch.autocast(fq.device.type, enabled=False):  # fp32: see the note on the Triton state dots
         inter = qw @ torch.stack(starts, 2)
     y = inter + A @ v
@@ -171,15 +180,19 @@ def _linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps, n
         S = torch.zeros(B, N, D, D + 1, device=q.device)
     else:
         S = torch.cat([state[0].float(), state[1].float()[..., None]], -1).reshape(B, N, D, D + 1)
-    lg = None if decay is None else torch.log(_level_decays(decay, Lv, H, torch.float32, q.device)).reshape(N)
+    lg = None
+    if decay is not None:  # [B or 1, N, T]
+        gam = _level_decays(decay, B, T, Lv, H, torch.float32, q.device)
+        lg = torch.log(gam).reshape(gam.shape[0], gam.shape[1], N).transpose(1, 2).expand(-1, N, T)
     C = min(_CPU_CHUNK, T)
     full = (T // C) * C
     ys = []
     r = (None, None) if resets is None else (resets[:, :full], resets[:, full:])
-    y, S = _chunks(fq[:, :, :full], fk[:, :, :full], ve[:, :, :full], S, lg, C, r[0])
+    lgs = (None, None) if lg is None else (lg[..., :full], lg[..., full:])
+    y, S = _chunks(fq[:, :, :full], fk[:, :, :full], ve[:, :, :full], S, lgs[0], C, r[0])
     ys.append(y)
     if full < T:
-        y, S = _chunks(fq[:, :, full:], fk[:, :, full:], ve[:, :, full:], S, lg, T - full, r[1])
+        y, S = _chunks(fq[:, :, full:], fk[:, :, full:], ve[:, :, full:], S, lgs[1], T - full, r[1])
         ys.append(y)
     y = torch.cat(ys, 2) if len(ys) > 1 else ys[0]
     # w_l / (den + eps) on the [B, N, T, 1] column, then one pass over the numerator
@@ -327,27 +340,51 @@ def _load_qkv(q_ptr, k_ptr, v_ptr, off, m2):
 
 
 @triton.jit
-def _decay_mask(lg, rt):
-    """[BT, BT] causal decay mask M_ts = γ^{t−s} for t ≥ s, else 0 (lg = log γ)."""
+def _chunk_decays(lg_ptr, b, l, h, t, rt, L, sb, st, sl, sh, PER_POS: tl.constexpr):
+    """The decays within a chunk of L positions t = c·BT + rt, from the log-decays lg[b, t, l, h] at
+    strides (sb, st, sl, sh): gq [BT] from the chunk's start through each position, gk [BT] from
+    each position to the chunk's end (0 past it), gL through the whole chunk, and the causal mask
+    M [BT, BT], M_ts the decay from s to t (t ≥ s, else 0). A fixed decay (not PER_POS) gives
+    γ^{t+1}, γ^{L−1−s}, γ^L and γ^{t−s}. A decay per position sums its logarithms in fp64 (b, the
+    sum through each position) and takes differences of b as two fp32 halves, so that M and gk keep
+    fp32's relative accuracy however far b has run."""
     gap = rt[:, None] - rt[None, :]
-    return tl.where(gap >= 0, tl.exp(lg * tl.maximum(gap, 0).to(tl.float32)), 0.0)
+    causal = gap >= 0
+    if PER_POS:
+        lgv = tl.load(lg_ptr + b * sb + t.to(tl.int64) * st + l * sl + h * sh, mask=rt < L, other=0.0)
+        bc = tl.cumsum(lgv.to(tl.float64), 0)
+        hi = bc.to(tl.float32)
+        lo = (bc - hi.to(tl.float64)).to(tl.float32)
+        hL, lL = tl.sum(tl.where(rt == L - 1, hi, 0.0), 0), tl.sum(tl.where(rt == L - 1, lo, 0.0), 0)
+        gq = tl.exp(hi)
+        gk = tl.where(rt < L, tl.exp((hL - hi) + (lL - lo)), 0.0)
+        gL = tl.exp(hL)
+        diff = (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :])
+        M = tl.where(causal, tl.exp(tl.where(causal, diff, 0.0)), 0.0)
+    else:
+        lg = tl.load(lg_ptr + l * sl + h * sh)
+        gq = tl.exp(lg * (rt + 1).to(tl.float32))
+        gk = tl.where(rt < L, tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32)), 0.0)
+        gL = tl.exp(lg * L.to(tl.float32))
+        M = tl.where(causal, tl.exp(lg * tl.maximum(gap, 0).to(tl.float32)), 0.0)
+    return gq, gk, gL, M
 
 
 @triton.autotune(configs=_configs(), key=["BT", "BD"])
 @triton.jit
-def _la_states_kernel(k_ptr, v_ptr, om_ptr, decay_ptr, s0_ptr, z0_ptr, hs_ptr, zs_ptr, sf_ptr, zf_ptr,
-                      T, H, D, NC, LV: tl.constexpr,
+def _la_states_kernel(k_ptr, v_ptr, om_ptr, lg_ptr, s0_ptr, z0_ptr, hs_ptr, zs_ptr, sf_ptr, zf_ptr,
+                      T, H, D, NC, sb, st, sl, sh, LV: tl.constexpr, PER_POS: tl.constexpr,
                       HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
                       BT: tl.constexpr, BD: tl.constexpr):
     """Sequential over chunks for one folded head: stores each chunk's starting (S, z), then
-    S ← γ^L·S + (γ^{L−1−s} f(k))ᵀ v, z likewise (L = the chunk's length); optional final state."""
+    S ← g·S + (g_s f(k))ᵀ v, z likewise, with g the chunk's whole decay and g_s the decay from
+    position s to the chunk's end; optional final state."""
     DT = v_ptr.dtype.element_ty
     n = tl.program_id(0).to(tl.int64)
     h = n % H
     l = (n // H) % LV
     b = n // (H * LV)
     om = tl.load(om_ptr + l)
-    lg = tl.log(tl.load(decay_ptr + l * H + h))
     rt = tl.arange(0, BT)
     rd, dmask, smask, soff = _state_index(D, BD)
     S, z = _load_state(s0_ptr, z0_ptr, n, D, BD, HAS_INIT)
@@ -362,8 +399,8 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, decay_ptr, s0_ptr, z0_ptr, hs_ptr, z
         fk = _feature(tl.load(k_ptr + off, mask=m2, other=0.0).to(tl.float32), om, m2)
         vx = tl.load(v_ptr + off, mask=m2, other=0.0)
         L = tl.minimum(T - c * BT, BT)
-        fk = (fk * tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32))[:, None]).to(DT)
-        gamL = tl.exp(lg * L.to(tl.float32))
+        _, gk, gamL, _ = _chunk_decays(lg_ptr, b, l, h, t, rt, L, sb, st, sl, sh, PER_POS)
+        fk = (fk * gk[:, None]).to(DT)
         S = S * gamL + tl.dot(tl.trans(fk), vx, input_precision=PREC)
         z = z * gamL + tl.sum(fk.to(tl.float32), 0)
     if STORE_FINAL:
@@ -372,12 +409,13 @@ def _la_states_kernel(k_ptr, v_ptr, om_ptr, decay_ptr, s0_ptr, z0_ptr, hs_ptr, z
 
 
 @triton.jit
-def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, decay_ptr, hs_ptr, zs_ptr, o_ptr, y_ptr, den_ptr,
-                   B, T, H, D, NC, eps, LV: tl.constexpr, NORM: tl.constexpr,
-                   STORE_Y: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr, BT: tl.constexpr,
+def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, lg_ptr, hs_ptr, zs_ptr, o_ptr, y_ptr, den_ptr,
+                   B, T, H, D, NC, eps, sb, st, sl, sh, LV: tl.constexpr, PER_POS: tl.constexpr,
+                   NORM: tl.constexpr, STORE_Y: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr, BT: tl.constexpr,
                    BD: tl.constexpr):
-    """One (chunk, b, h) over all levels: num = (γ^{i+1} f(q)) S_c + (f(q) f(k)ᵀ ∘ M) v, den the
-    same with z_c and a ones column (M_ts = γ^{t−s}, t ≥ s); o = Σ_l w_l y_l with y_l = num/(den + eps)
+    """One (chunk, b, h) over all levels: num = (g_t f(q)) S_c + (f(q) f(k)ᵀ ∘ M) v, den the
+    same with z_c and a ones column (g_t the decay from the chunk's start through t, M_ts the decay
+    from s to t, t ≥ s); o = Σ_l w_l y_l with y_l = num/(den + eps)
     (NORM) or num. With STORE_Y, per-level y [Lv, B, T, H, D] and (NORM) den [B, Lv, H, T] (fp32)
     are kept for backward."""
     DT = v_ptr.dtype.element_ty
@@ -386,10 +424,9 @@ def _la_out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, decay_ptr, hs_ptr, zs_ptr
     rd, dmask, smask, soff = _state_index(D, BD)
     qx, kx, vx = _load_qkv(q_ptr, k_ptr, v_ptr, off, m2)
     o = tl.zeros([BT, BD], dtype=tl.float32)
+    L = tl.minimum(T - c * BT, BT)
     for l in tl.static_range(LV):
-        lg = tl.log(tl.load(decay_ptr + l * H + h))
-        gq = tl.exp(lg * (rt + 1).to(tl.float32))
-        M = _decay_mask(lg, rt)
+        gq, _, _, M = _chunk_decays(lg_ptr, b, l, h, t, rt, L, sb, st, sl, sh, PER_POS)
         om, fq, fk = _level_features(qx, kx, om_ptr, l, m2)
         n = (b * LV + l) * H + h
         hoff = n * NC + c
@@ -428,13 +465,14 @@ def _out_grads(do, y, den_ptr, n, T, t, tmask, wl, eps, NORM: tl.constexpr):
 
 @triton.autotune(configs=_configs(), key=["BT", "BD"])
 @triton.jit
-def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, decay_ptr, dsf_ptr, dzf_ptr,
-                          dhs_ptr, dzs_ptr, ds0_ptr, dz0_ptr, B, T, H, D, NC, eps,
-                          LV: tl.constexpr, NORM: tl.constexpr, HAS_DFINAL: tl.constexpr,
+def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, lg_ptr, dsf_ptr, dzf_ptr,
+                          dhs_ptr, dzs_ptr, ds0_ptr, dz0_ptr, B, T, H, D, NC, eps, sb, st, sl, sh,
+                          LV: tl.constexpr, PER_POS: tl.constexpr, NORM: tl.constexpr, HAS_DFINAL: tl.constexpr,
                           STORE_DINIT: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr,
                           BT: tl.constexpr, BD: tl.constexpr):
     """Reverse recurrence for one folded head: stores the grad of each chunk's end state, then
-    dS ← γ^L·dS + (γ^{i+1} f(q))ᵀ dnum, dz ← γ^L·dz + (γ^{i+1} f(q))ᵀ dden; optional initial-state grad.
+    dS ← g·dS + (g_t f(q))ᵀ dnum, dz ← g·dz + (g_t f(q))ᵀ dden (g the chunk's whole decay, g_t
+    from its start through t); optional initial-state grad.
     dz sums the dot operands' rounded values (see the note on the state dots)."""
     SDT = tl.float32 if q_ptr.dtype.element_ty == tl.float16 else q_ptr.dtype.element_ty
     n = tl.program_id(0).to(tl.int64)
@@ -443,12 +481,10 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, decay_pt
     b = n // (H * LV)
     om = tl.load(om_ptr + l)
     wl = tl.load(w_ptr + l).to(tl.float32)
-    lg = tl.log(tl.load(decay_ptr + l * H + h))
     rt = tl.arange(0, BT)
     rd, dmask, smask, soff = _state_index(D, BD)
     dS, dz = _load_state(dsf_ptr, dzf_ptr, n, D, BD, HAS_DFINAL)
     base = b * T * H * D + h * D
-    gq = tl.exp(lg * (rt + 1).to(tl.float32))
     for i in range(NC):
         c = NC - 1 - i
         hoff = n * NC + c
@@ -458,6 +494,7 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, decay_pt
         tmask = t < T
         m2 = tmask[:, None] & dmask[None, :]
         off = base + t.to(tl.int64)[:, None] * H * D + rd[None, :]
+        gq, _, gamL, _ = _chunk_decays(lg_ptr, b, l, h, t, rt, tl.minimum(T - c * BT, BT), sb, st, sl, sh, PER_POS)
         qd = _feature(tl.load(q_ptr + off, mask=m2, other=0.0).to(tl.float32), om, m2) * gq[:, None]
         do = tl.load(do_ptr + off, mask=m2, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + l * B * T * H * D + off, mask=m2, other=0.0)
@@ -465,7 +502,6 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, decay_pt
         qd, dnum = _operand(qd, SDT, SDROP), _operand(dnum, SDT, SDROP)
         if SDROP > 0 and NORM:
             dden = -tl.sum(dnum.to(tl.float32) * y, 1)
-        gamL = tl.exp(lg * tl.minimum(T - c * BT, BT).to(tl.float32))
         dS = dS * gamL + tl.dot(tl.trans(qd), dnum, input_precision=PREC)
         dz = dz * gamL + tl.sum(qd.to(tl.float32) * dden[:, None], 0)
     if STORE_DINIT:
@@ -474,13 +510,16 @@ def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, decay_pt
 
 
 @triton.jit
-def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, decay_ptr,
-                         hs_ptr, zs_ptr, dhs_ptr, dzs_ptr, dq_ptr, dk_ptr, dv_ptr, dwp_ptr,
-                         B, T, H, D, NC, eps, LV: tl.constexpr, NORM: tl.constexpr,
-                         PREC: tl.constexpr, SDROP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, lg_ptr,
+                         hs_ptr, zs_ptr, dhs_ptr, dzs_ptr, dq_ptr, dk_ptr, dv_ptr, dwp_ptr, db_ptr,
+                         B, T, H, D, NC, eps, sb, st, sl, sh, LV: tl.constexpr, PER_POS: tl.constexpr,
+                         NORM: tl.constexpr, DDECAY: tl.constexpr, PREC: tl.constexpr, SDROP: tl.constexpr,
+                         BT: tl.constexpr, BD: tl.constexpr):
     """One (chunk, b, h) over all levels: dq, dk, dv (inter-chunk terms from S_c, z_c and the
     end-state grads dS, dz; intra-chunk terms through the decay mask), summed over levels with
-    the feature-map derivative; per-level Σ dO·y_l into dwp [B·H, NC, Lv] for the level weights."""
+    the feature-map derivative; per-level Σ dO·y_l into dwp [B·H, NC, Lv] for the level weights.
+    With DDECAY, per level and position f(q)·∂f(q) − f(k)·∂f(k) into db [B, Lv, H, T]: the
+    gradient of the cumulative log-decay at t, less the final state's term (added by the caller)."""
     DT = v_ptr.dtype.element_ty
     SDT = tl.float32 if DT == tl.float16 else DT
     c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, NC, BT, BD)
@@ -494,10 +533,7 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
     # a loop, not unrolled and not pipelined: unrolled, the levels' tiles overlap and spill
     # 72–76 B of registers in bf16 on sm_90; looped, 28–48 B (python -m fractus.bench aot)
     for l in tl.range(LV, num_stages=1):
-        lg = tl.log(tl.load(decay_ptr + l * H + h))
-        gq = tl.exp(lg * (rt + 1).to(tl.float32))
-        gk = tl.where(rt < L, tl.exp(lg * tl.maximum(L - 1 - rt, 0).to(tl.float32)), 0.0)
-        M = _decay_mask(lg, rt)
+        gq, gk, _, M = _chunk_decays(lg_ptr, b, l, h, t, rt, L, sb, st, sl, sh, PER_POS)
         om, fq, fk = _level_features(qx, kx, om_ptr, l, m2)
         n = (b * LV + l) * H + h
         hoff = n * NC + c
@@ -521,6 +557,8 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
         dkf = dkf * gk[:, None] + tl.dot(tl.trans(dA), fqs, input_precision=PREC)
         dvf = tl.dot(fks, dSs, input_precision=PREC) * gk[:, None]
         dvf += tl.dot(tl.trans(_operand(A, SDT, SDROP)), dnum_s, input_precision=PREC)
+        if DDECAY:
+            tl.store(db_ptr + n * T + t, tl.sum(fq * dqf - fk * dkf, 1), mask=tmask)
         # d f / d x = 1 where x + ω > 0, else exp(x + ω) = f (and 0 on padding, where f = 0)
         dq += dqf * tl.where(qx + om > 0, 1.0, fq)
         dk += dkf * tl.where(kx + om > 0, 1.0, fk)
@@ -531,8 +569,8 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
 
 
 @triton.jit
-def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, decay_ptr, s0_ptr, z0_ptr, o_ptr, sf_ptr,
-                      zf_ptr, T, H, D, eps, LV: tl.constexpr, NORM: tl.constexpr,
+def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, lg_ptr, s0_ptr, z0_ptr, o_ptr, sf_ptr,
+                      zf_ptr, T, H, D, eps, sb, st, sl, sh, LV: tl.constexpr, NORM: tl.constexpr,
                       HAS_INIT: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr):
     """One (b, h), all levels, T ≤ TB positions one by one with the state in registers (fp32):
     the recurrence exactly as written; o rows collected in registers, new (S, z) stored."""
@@ -546,7 +584,6 @@ def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, decay_ptr, s0_ptr, z0_
     for l in tl.static_range(LV):
         om = tl.load(om_ptr + l)
         wl = tl.load(w_ptr + l).to(tl.float32)
-        gam = tl.load(decay_ptr + l * H + h)
         n = (b * LV + l) * H + h
         S, z = _load_state(s0_ptr, z0_ptr, n, D, BD, HAS_INIT)
         for t in range(T):
@@ -554,6 +591,7 @@ def _la_decode_kernel(q_ptr, k_ptr, v_ptr, w_ptr, om_ptr, decay_ptr, s0_ptr, z0_
             fq = _feature(tl.load(q_ptr + off, mask=dmask, other=0.0).to(tl.float32), om, dmask)
             fk = _feature(tl.load(k_ptr + off, mask=dmask, other=0.0).to(tl.float32), om, dmask)
             vx = tl.load(v_ptr + off, mask=dmask, other=0.0).to(tl.float32)
+            gam = tl.exp(tl.load(lg_ptr + b * sb + tl.cast(t, tl.int64) * st + l * sl + h * sh))
             S = gam * S + fk[:, None] * vx[None, :]
             z = gam * z + fk
             y = tl.sum(fq[:, None] * S, 0)
@@ -588,7 +626,7 @@ _CONST_CACHE: dict = {}
 
 
 def _const(values, device):
-    """A cached fp32 device tensor of python floats (omegas, unit decays): no copy per call."""
+    """A cached fp32 device tensor of python floats (omegas, the log of no decay): no copy per call."""
     key = (tuple(values), str(device))
     t = _CONST_CACHE.get(key)
     if t is None:
@@ -596,7 +634,16 @@ def _const(values, device):
     return t
 
 
-def _states(k, v, om, gam, S0, z0, store_final, BT):
+def _log_decays(decay, B: int, T: int, Lv: int, H: int, device):
+    """log γ as an fp32 tensor and its strides (sb, st, sl, sh) over [B, T, Lv, H], 0 along the
+    axes on which the decay does not vary (every axis for None: γ = 1)."""
+    if decay is None:
+        return _const([0.0], device), (0, 0, 0, 0)
+    lg = torch.log(decay.detach().float()).contiguous()
+    return lg, {1: (0, 0, 0, 1), 2: (0, 0, H, 1), 3: (T * H, H, 0, 1), 4: (T * Lv * H, Lv * H, H, 1)}[decay.dim()]
+
+
+def _states(k, v, om, lg, strides, S0, z0, store_final, BT):
     """Chunk-start states ([B, Lv, H, NC, D, D], [.., D]) for chunks of BT and, if asked, the final (S, z)."""
     B, T, H, D = k.shape
     Lv = om.numel()
@@ -608,33 +655,37 @@ def _states(k, v, om, gam, S0, z0, store_final, BT):
     sf = _backend.empty(B, Lv, H, D, D, dtype=torch.float32, device=dev) if store_final else hs
     zf = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=dev) if store_final else zs
     _la_states_kernel[(B * Lv * H,)](
-        k, v, om, gam, S0 if S0 is not None else hs,
-        z0 if z0 is not None else zs, hs, zs, sf, zf, T, H, D, NC, LV=Lv,
+        k, v, om, lg, S0 if S0 is not None else hs,
+        z0 if z0 is not None else zs, hs, zs, sf, zf, T, H, D, NC, *strides, LV=Lv, PER_POS=strides[1] > 0,
         HAS_INIT=S0 is not None, STORE_FINAL=store_final, PREC=_backend.dot_precision(v), BT=BT, BD=BD)
     return hs, zs, sf, zf
 
 
 class _TritonLinearAttention(torch.autograd.Function):
-    """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay gam [Lv, H], eps,
-    normalize: divide by the denominator, need: a backward will follow) -> (o [B, T, H, D],
-    S [B, Lv, H, D, D], z [B, Lv, H, D])."""
+    """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay None, [H],
+    [Lv, H], [B, T, H] or [B, T, Lv, H], eps, normalize: divide by the denominator, need: a backward
+    will follow) -> (o [B, T, H, D], S [B, Lv, H, D, D], z [B, Lv, H, D]). The decay's gradient
+    is that of its logarithm, the reverse cumulative sum over positions of the cumulative log-decays'
+    gradients (the kernels' db, with the final state's term), divided by γ."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, S0, z0, om, gam, eps, normalize, need):
+    def forward(ctx, q, k, v, w, S0, z0, om, decay, eps, normalize, need):
         B, T, H, D = q.shape
         Lv = om.numel()
         BT, BD = _chunk_len(T, _FWD_CHUNK), _block_d(D)
-        hs, zs, sf, zf = _states(k, v, om, gam, S0, z0, True, BT)
+        lg, strides = _log_decays(decay, B, T, Lv, H, q.device)
+        hs, zs, sf, zf = _states(k, v, om, lg, strides, S0, z0, True, BT)
         NC = triton.cdiv(T, BT)
         o = _backend.empty(B, T, H, D, dtype=q.dtype, device=q.device)
         y = _backend.empty(Lv, B, T, H, D, dtype=torch.float32, device=q.device) if need else o
         den = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=q.device) if need and normalize else hs
         _la_out_kernel[(NC * B * H,)](
-            q, k, v, w, om, gam, hs, zs, o, y, den, B, T, H, D, NC, eps,
-            LV=Lv, NORM=normalize, STORE_Y=need, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT,
-            BD=BD, num_warps=_PARALLEL_WARPS)
+            q, k, v, w, om, lg, hs, zs, o, y, den, B, T, H, D, NC, eps, *strides,
+            LV=Lv, PER_POS=strides[1] > 0, NORM=normalize, STORE_Y=need, PREC=_backend.dot_precision(v),
+            SDROP=_state_split(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
         if need:
-            ctx.save_for_backward(q, k, v, w, S0, z0, om, gam, y, den)
+            ddecay = ctx.needs_input_grad[7]
+            ctx.save_for_backward(q, k, v, w, S0, z0, om, decay, y, den, *((sf, zf) if ddecay else ()))
             ctx.eps, ctx.normalize = eps, normalize
         ctx.set_materialize_grads(False)
         return o, sf, zf
@@ -642,40 +693,57 @@ class _TritonLinearAttention(torch.autograd.Function):
     @staticmethod
     @_backend.first_order_only
     def backward(ctx, do, dsf, dzf):
-        q, k, v, w, S0, z0, om, gam, y, den = ctx.saved_tensors
+        q, k, v, w, S0, z0, om, decay, y, den, *final = ctx.saved_tensors
         eps, normalize = ctx.eps, ctx.normalize
         B, T, H, D = q.shape
         Lv = om.numel()
         BT, BD = _chunk_len(T, _BWD_CHUNK), _block_d(D)
         NC = triton.cdiv(T, BT)
         dev = q.device
+        lg, strides = _log_decays(decay, B, T, Lv, H, dev)
         do = torch.zeros_like(q) if do is None else do.contiguous()
         has_df = dsf is not None or dzf is not None
         if has_df:
             dsf = torch.zeros(B, Lv, H, D, D, device=dev) if dsf is None else dsf.float().contiguous()
             dzf = torch.zeros(B, Lv, H, D, device=dev) if dzf is None else dzf.float().contiguous()
-        hs, zs, _, _ = _states(k, v, om, gam, S0, z0, False, BT)
+        hs, zs, _, _ = _states(k, v, om, lg, strides, S0, z0, False, BT)
         dhs = _backend.empty(B, Lv, H, NC, D, D, dtype=torch.float32, device=dev)
         dzs = _backend.empty(B, Lv, H, NC, D, dtype=torch.float32, device=dev)
         dinit = S0 is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
         ds0 = _backend.empty(B, Lv, H, D, D, dtype=torch.float32, device=dev) if dinit else dhs
         dz0 = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=dev) if dinit else dzs
         _la_bwd_states_kernel[(B * Lv * H,)](
-            q, do, y, den, w, om, gam, dsf if has_df else dhs, dzf if has_df else dzs, dhs, dzs,
-            ds0, dz0, B, T, H, D, NC, eps, LV=Lv, NORM=normalize, HAS_DFINAL=has_df,
+            q, do, y, den, w, om, lg, dsf if has_df else dhs, dzf if has_df else dzs, dhs, dzs,
+            ds0, dz0, B, T, H, D, NC, eps, *strides, LV=Lv, PER_POS=strides[1] > 0, NORM=normalize,
+            HAS_DFINAL=has_df,
             STORE_DINIT=dinit, PREC=_backend.dot_precision(q), SDROP=_state_split(q), BT=BT, BD=BD)
         dq = _backend.empty(B, T, H, D, dtype=q.dtype, device=dev)
         dk = _backend.empty(B, T, H, D, dtype=k.dtype, device=dev)
         dv = _backend.empty(B, T, H, D, dtype=v.dtype, device=dev)
         dwp = _backend.empty(B * H, NC, Lv, dtype=torch.float32, device=dev)
+        ddecay = bool(final)
+        db = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=dev) if ddecay else dwp
         _la_bwd_grads_kernel[(NC * B * H,)](
-            q, k, v, do, y, den, w, om, gam, hs, zs, dhs, dzs, dq, dk, dv, dwp, B, T, H, D, NC, eps,
-            LV=Lv, NORM=normalize, PREC=_backend.dot_precision(v), SDROP=_state_split(v), BT=BT, BD=BD,
-            num_warps=_PARALLEL_WARPS)
+            q, k, v, do, y, den, w, om, lg, hs, zs, dhs, dzs, dq, dk, dv, dwp, db, B, T, H, D, NC, eps, *strides,
+            LV=Lv, PER_POS=strides[1] > 0, NORM=normalize, DDECAY=ddecay, PREC=_backend.dot_precision(v),
+            SDROP=_state_split(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
         dw = dwp.sum((0, 1)).to(w.dtype)
         if not dinit:
             ds0 = dz0 = None
-        return dq, dk, dv, dw, ds0, dz0, None, None, None, None, None
+        return dq, dk, dv, dw, ds0, dz0, None, _decay_grad(decay, db, final, dsf, dzf) if ddecay else None, \
+            None, None, None
+
+
+def _decay_grad(decay, db, final, dsf, dzf):
+    """d decay [B, T, H] or [B, T, Lv, H] from db [B, Lv, H, T] (the cumulative log-decays' gradients
+    less the final state's term ⟨dS_T, S_T⟩ + ⟨dz_T, z_T⟩, added here at the last position)."""
+    if dsf is not None:
+        sf, zf = final
+        db[..., -1] += (dsf * sf).sum((-1, -2)) + (dzf * zf).sum(-1)
+    dlg = db.flip(-1).cumsum(-1).flip(-1).permute(0, 3, 1, 2)  # [B, T, Lv, H]
+    if decay.dim() == 3:
+        dlg = dlg.sum(2)
+    return (dlg / decay.float()).to(decay.dtype)
 
 
 def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps, normalize=True):
@@ -687,25 +755,25 @@ def _linear_attention_triton(q, k, v, level_weights, omegas, decay, state, eps, 
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     w = level_weights.contiguous()
     om = _const(omegas, q.device)
-    gam = _const([1.0] * (Lv * H), q.device) if decay is None else decay.float().expand(Lv, H).contiguous()
     S0 = z0 = None
     if state is not None:
         S0, z0 = state[0].float().contiguous(), state[1].float().contiguous()
     grads = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, w, S0, z0))
+        x is not None and x.requires_grad for x in (q, k, v, w, S0, z0, decay))
     if T <= _DECODE_MAX_T and not grads:
         BD = _block_d(D)
+        lg, strides = _log_decays(decay, B, T, Lv, H, q.device)
         o = _backend.empty(B, T, H, D, dtype=q.dtype, device=q.device)
         sf = _backend.empty(B, Lv, H, D, D, dtype=torch.float32, device=q.device)
         zf = _backend.empty(B, Lv, H, D, dtype=torch.float32, device=q.device)
         _la_decode_kernel[(B * H,)](
-            q, k, v, w, om, gam, S0 if S0 is not None else sf,
-            z0 if z0 is not None else zf, o, sf, zf, T, H, D, eps, LV=Lv, NORM=normalize,
+            q, k, v, w, om, lg, S0 if S0 is not None else sf,
+            z0 if z0 is not None else zf, o, sf, zf, T, H, D, eps, *strides, LV=Lv, NORM=normalize,
             HAS_INIT=S0 is not None, TB=triton.next_power_of_2(T), BD=BD, num_warps=4)
         return o, (sf, zf)
     # forward runs under no_grad, and needs_input_grad ignores the caller's mode: `grads` decides
     # whether the backward's tensors are written (not under no_grad, e.g. evaluation)
-    o, sf, zf = _TritonLinearAttention.apply(q, k, v, w, S0, z0, om, gam, float(eps), normalize, grads)
+    o, sf, zf = _TritonLinearAttention.apply(q, k, v, w, S0, z0, om, decay, float(eps), normalize, grads)
     return o, (sf, zf)
 
 
@@ -718,17 +786,19 @@ def linear_attention(q, k, v, level_weights, omegas, decay=None, state=None, eps
     """Multi-level causal linear attention (see the module docstring).
 
     q, k, v [B, T, H, D]; level_weights [Lv]; omegas Lv floats; decay None, [H] or [Lv, H];
+    or one per position [B, T, H] / [B, T, Lv, H];
     state None or (S [B, Lv, H, D, D], z [B, Lv, H, D]); ``normalize=False`` leaves out the
     denominator (y_l = f_l(q)ᵀ S; z is still carried); resets None or [B, T] bool: where True the
     state is zeroed before that position (a document starts there). Returns (o [B, T, H, D] in q's dtype,
     (S, z) fp32 after the last position); differentiable in q, k, v, level_weights and state,
-    and in decay on the reference path only.
+    and in decay: a decay per position on every path, a fixed one on the reference path only.
     """
     path = _backend.pick(backend, q)
     if path == "reference":
         return linear_attention_reference(q, k, v, level_weights, omegas, decay, state, eps, normalize, resets)
     _check(q, k, v, level_weights, omegas, decay, state, resets)
-    if decay is not None and decay.requires_grad and torch.is_grad_enabled():
+    per_position = decay is not None and decay.dim() > 2
+    if decay is not None and not per_position and decay.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"the {path} path of linear_attention has no gradient for decay: pass a "
                          "decay that does not require grad (a buffer, or decay.detach()), or use "
                          "backend='reference'")

@@ -32,8 +32,9 @@ GEN_PROMPT = list(range(1, 17))  # generation's prompt (16 tokens)
 ATTENTION_GPU = dict(B=8, H=20, D=64, levels=2)  # the suite's timings, in bf16: 40 level·heads
 ATTENTION_TS = (512, 2048, 8192)  # and their sequence lengths
 # The recurrences the suite times, both with the carried state that training passes and the
-# denominator (the normalisation of both): the default model's, a decay per (level, head) [Lv, H]
-# (its own multiscale values), and the original's, without decay.
+# denominator (the normalisation of both): the default model's multiscale decay per (level, head)
+# [Lv, H] (fixed: the decay gate's decays per position are checked, not timed), and the original's,
+# without decay.
 RECURRENCES = ("default", "original")
 EPS = 1e-6  # the models' ε in the denominator
 
@@ -46,7 +47,8 @@ CROSS_ENTROPY_GPU = dict(N=16384, d=1280, V=50257)  # 1b's head
 def attention_case(B, T, H, D, levels=2, decay=False, state=False, dtype=torch.float32,
                    device="cpu", grad=True, seed=0, history=0, v_mean=0.0):
     """q, k, v [B, T, H, D] in dtype, level weights [Lv], decay [H] (``decay="level"``: [Lv, H], one
-    per level and head, as the default model has) or None, state or None;
+    per level and head; ``decay="position"``: [B, T, Lv, H], one per position, level and head, as the
+    default model's decay gate makes) or None, state or None;
     the floating leaves require grad when grad=True (state and weights in fp32). With ``history``
     the state is the one that many earlier tokens leave without decay (training's carried state),
     v of those and of the call drawn around ``v_mean``."""
@@ -57,8 +59,8 @@ def attention_case(B, T, H, D, levels=2, decay=False, state=False, dtype=torch.f
     q, k = (leaf(torch.randn(B, T, H, D, generator=gen)) for _ in range(2))
     v = leaf(v_mean + torch.randn(B, T, H, D, generator=gen))
     w = leaf(torch.softmax(torch.randn(levels, generator=gen), 0), torch.float32)
-    g = (torch.rand(*((levels, H) if decay == "level" else (H,)), generator=gen) * 0.3 + 0.65).to(device) \
-        if decay else None
+    shape = {"level": (levels, H), "position": (B, T, levels, H)}.get(decay, (H,))
+    g = (torch.rand(*shape, generator=gen) * 0.3 + 0.65).to(device) if decay else None
     st = None
     if history:
         kh = torch.randn(B, history, H, D, generator=gen).to(dtype).double()

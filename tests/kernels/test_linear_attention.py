@@ -1,6 +1,7 @@
 """linear_attention: every path vs the token-by-token reference (fp64 truth), output, final state
 and every gradient; split-and-resume; decode steps; fp16 and bf16 by the low-precision rule, also
-with a state beyond fp16's range; a decay that requires grad refused off the reference path."""
+with a state beyond fp16's range; a decay that requires grad refused off the reference path; a
+decay of each position's own (the model's decay gate) on the PyTorch path."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -147,6 +148,85 @@ def test_level_decays_are_per_level(normalize):
     one_level = [linear_attention(q, k, v, torch.eye(2, dtype=q.dtype)[l], OMEGAS, g[l], **kw)[0] for l in (0, 1)]
     assert_rel(linear_attention(q, k, v, w, OMEGAS, g, **kw)[0], w[0] * one_level[0] + w[1] * one_level[1],
                1e-12, "o as the levels' own")
+
+
+def per_position_decay(B, T, H, per: str, dt=torch.float64):
+    """A decay of each position's own, in [0.4, 1): [B, T, Lv, H] ("level") or [B, T, H] ("head")."""
+    return (torch.rand(B, T, *((2,) if per == "level" else ()), H) * 0.6 + 0.4).float().to(dt)
+
+
+PER_POSITION_NAMES = ["o", "S", "z", "dq", "dk", "dv", "dw", "ddecay", "dS0", "dz0"]
+
+
+def run_per_position(inputs, g, dtype, resets=None, state_loss=True, **kw):
+    """linear_attention with the decay ``g`` per position, q, k, v in dtype (the rest fp32; all fp64
+    for the truth): (o, S, z) and the gradients of (q, k, v, w, decay, S0, z0) for a fixed random
+    loss on every output (on o only without ``state_loss``)."""
+    q, k, v, w, _, st = inputs
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    x += [t.detach().to(sdt).requires_grad_() for t in (w, g, *(st or ()))]
+    o, (S, z) = linear_attention(*x[:4], OMEGAS, decay=x[4], state=tuple(x[5:]) or None, resets=resets, **kw)
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((y.double() * torch.randn(y.shape, generator=gen, dtype=torch.float64)).sum()
+               for y in ((o, S, z) if state_loss else (o,)))
+    return [o, S, z, *torch.autograd.grad(loss, x)]
+
+
+@pytest.mark.parametrize("path,per,T,D,state,resets", [
+    ("torch", "level", 1, 32, True, False), ("torch", "head", 64, 32, False, False),
+    ("torch", "level", 100, 32, True, True), ("torch", "head", 257, 32, True, False),
+    ("triton", "level", 17, 48, True, False), ("triton", "head", 100, 64, False, False),
+    ("triton", "level", 257, 48, True, False), ("triton", "head", 1, 32, True, False)])
+def test_decay_per_position_vs_reference(path, per, T, D, state, resets):
+    """A decay of each position's own ([B, T, Lv, H] or [B, T, H], the model's decay_gate) vs the
+    reference's token loop: outputs, final state and every gradient, the decay's included."""
+    inputs = make(2, T, 2, D, False, state)
+    g = per_position_decay(2, T, 2, per)
+    r = random_resets(2, T) if resets else None
+    truth = run_per_position(inputs, g, torch.float64, r, backend="reference")
+    got = run_per_position(inputs, g, torch.float32, r, backend=path)
+    for name, x, ref in zip(PER_POSITION_NAMES, got, truth):
+        if name == "dq" and T == 1 and not state:
+            continue
+        assert_rel(x.double(), ref.double(), FP32_TOL, name)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("path,T", [("torch", 40), ("triton", 100)])
+def test_decay_per_position_low_precision(path, T, dtype):
+    """The same in fp16 and bf16, by the low-precision rule against the same-dtype reference, the
+    loss on o (training's: the state is detached between calls). A loss on the final state makes
+    the Triton decay gradient the difference of ⟨dS_T, S_T⟩ and the keys' share of it, which the
+    low-precision dot operands do not cancel as fp32 ones do (fp32: above)."""
+    inputs = make(2, T, 2, 48, False, True, dtype=dtype)
+    g = per_position_decay(2, T, 2, "level")
+    truth = run_per_position(inputs, g, torch.float64, state_loss=False, backend="reference")
+    ref = run_per_position(inputs, g, dtype, state_loss=False, backend="reference")
+    got = run_per_position(inputs, g, dtype, state_loss=False, backend=path)
+    for name, x, r, t in zip(PER_POSITION_NAMES, got, ref, truth):
+        assert_lowp(x, r, t, lowp_tol(3e-3 if name == "dw" else 5e-4, dtype), f"{dtype} {name}")
+
+
+@pytest.mark.parametrize("per", ["level", "head"])
+def test_triton_decode_kernel_with_a_decay_per_position(decode_launches, per):
+    q, k, v, w, _, st = make(2, 9, 2, 48, False, True)
+    g = per_position_decay(2, 9, 2, per)
+    truth = linear_attention(q, k, v, w, OMEGAS, g, st, backend="reference")
+    with torch.no_grad():
+        got = linear_attention(*(x.float() for x in (q, k, v, w)), OMEGAS, g.float(), tuple(x.float() for x in st),
+                               backend="triton")
+    assert decode_launches.count == 1
+    for name, a, b in zip(("o", "S", "z"), (got[0], *got[1]), (truth[0], *truth[1])):
+        assert_rel(a.double(), b, FP32_TOL, name)
+
+
+def test_a_decay_the_same_at_every_position_is_the_fixed_decay():
+    q, k, v, w, g, st = make(2, 70, 2, 16, "level", True)
+    fixed = linear_attention(q, k, v, w, OMEGAS, g, st, backend="torch")
+    per_position = linear_attention(q, k, v, w, OMEGAS, g.expand(2, 70, 2, 2), st, backend="torch")
+    for name, a, b in zip(("o", "S", "z"), (fixed[0], *fixed[1]), (per_position[0], *per_position[1])):
+        assert_rel(b, a, 1e-6, name)
 
 
 def random_resets(B, T, seed=3):
@@ -444,7 +524,8 @@ def test_bad_inputs(path):
     w = torch.ones(2) / 2
     cases = [({"decay": torch.tensor([0.9, 0.0])}, ValueError, r"decay must lie in \(0, 1\]"),
              ({"decay": torch.tensor([0.9, 1.5])}, ValueError, r"decay must lie in \(0, 1\]"),
-             ({"decay": [0.9, 0.9]}, ValueError, r"decay must be None or an \[H\]=2 or \[Lv, H\]=\(2, 2\) tensor"),
+             ({"decay": [0.9, 0.9]}, ValueError,
+              r"decay must be None or a tensor \[H\]=\(2,\), \[Lv, H\]=\(2, 2\), \[B, T, H\]=\(1, 3, 2\) or \[B, T, Lv, H\]"),
              ({"q": q.long()}, TypeError, "q, k, v must be floating"),
              ({"q": q[:, :2]}, ValueError, r"q, k, v must all be \[B, T, H, D\]; got \(1, 2, 2, 16\)"),
              ({"q": q[0]}, ValueError, r"q, k, v must all be \[B, T, H, D\]"),
