@@ -145,8 +145,9 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
 def _run_linear_attention(dtype):
     """The chunked path forward and backward (the loss on the final state too, or on the output
     alone as in training and the timings; at B=1, an integer Triton specialises; a decay per
-    (level, head) with and without the denominator), its forward without gradients, and the
-    decode kernel (with and without the denominator)."""
+    (level, head) with and without the denominator; a decay per position, its gradient too), its
+    forward without gradients, and the decode kernel (with and without the denominator, and with a
+    decay per position)."""
     from fractus.kernels import linear_attention as la
     from fractus.model import level_omegas
     from fractus.verify.cases import attention_case
@@ -161,11 +162,23 @@ def _run_linear_attention(dtype):
         q, k, v, w, g, st = attention_case(2, 300, 3, D, Lv, decay="level", state=True, dtype=dtype)
         o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
         (o.float().sum() + (S.sum() + z.sum() if on_state else 0)).backward()
+    for decay in (False, True):  # a carried state without decay and with one (the decay's strides specialise)
+        q, k, v, w, g, st = attention_case(2, 200, 2, D, Lv, decay=decay, state=True, dtype=dtype)
+        o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
+        (o.float().sum() + S.sum() + z.sum()).backward()
+    for B, T in ((2, 300), (2, 40)):  # a decay per position, the gate's: its gradient too
+        q, k, v, w, g, st = attention_case(B, T, 3, D, Lv, decay="position", dtype=dtype)
+        o, _ = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g.requires_grad_(), st, 1e-6)
+        o.float().sum().backward()
     for T in (512, 2048):  # the forward alone, with a chunk count divisible by 16 and one not
         q, k, v, w, g, st = attention_case(2, T, H, D, Lv, dtype=dtype, grad=False)
         la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
     for T, normalize in ((1, True), (5, True), (1, False)):  # decode: one token and a short prefix
         q, k, v, w, g, st = attention_case(2, T, H, D, Lv, state=True, dtype=dtype, grad=False)
+        la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
+    for T, decay, normalize in ((3, "position", True), (7, "position", True), (1, True, True), (7, True, True),
+                                (1, "level", False)):  # decode with each kind of decay
+        q, k, v, w, g, st = attention_case(2, T, 3, D, Lv, decay=decay, state=True, dtype=dtype, grad=False)
         la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
 
 
