@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from fractus.kernels.backend import BACKENDS
 from fractus.kernels.cross_entropy import linear_cross_entropy
-from fractus.model import (_finite, _int_min, _one_of, check_fields, check_token_ids, next_token, prompt_tensor,
-                           rope_tables, rotate)
+from fractus.model import (ShortConv, _finite, _int_min, _one_of, check_fields, check_token_ids, next_token,
+                           prompt_tensor, rope_tables, rotate)
 
 
 @dataclass
@@ -35,12 +35,15 @@ class TransformerConfig:
     context: int = 256  # the longest sequence it reads (training chunk, evaluation window)
     d_ff: int = 0  # SwiGLU hidden width; 0: 8/3·d_model rounded up to a multiple of 8
     rope_base: float = 10000.0
+    short_conv: int = 0  # width of a causal depthwise convolution on q, k, v, as the CTE's (0: none)
     backend: str = "auto"  # the cross-entropy kernel's backend
 
     def __post_init__(self):
         check_fields(self, _FIELD_CHECKS)
         if self.d_model % self.head_dim or self.head_dim % 2:
             raise ValueError(f"d_model {self.d_model} must be a multiple of head_dim {self.head_dim}, itself even (RoPE)")
+        if self.short_conv == 1:
+            raise ValueError("short_conv must be 0 (none) or a width ≥ 2, got 1")
         if self.d_ff == 0:  # ⌈(8/3·d) / 8⌉ · 8
             self.d_ff = -(-self.d_model // 3) * 8
 
@@ -63,7 +66,7 @@ class TransformerConfig:
 
 _FIELD_CHECKS = {  # field → (what it must be, check), as FractusConfig's
     "vocab_size": _int_min(1), "d_model": _int_min(1), "head_dim": _int_min(1), "n_layers": _int_min(1),
-    "context": _int_min(1), "d_ff": _int_min(0),
+    "context": _int_min(1), "d_ff": _int_min(0), "short_conv": _int_min(0),
     "rope_base": ("a finite number > 1", lambda v: _finite(v) and v > 1), "backend": _one_of(*BACKENDS),
 }
 
@@ -74,11 +77,16 @@ class Attention(nn.Module):
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.conv = ShortConv(3 * cfg.d_model, cfg.short_conv) if cfg.short_conv else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d] → [B, T, d]: causal softmax attention, q and k rotated by position."""
+        """x [B, T, d] → [B, T, d]: causal softmax attention, q and k rotated by position (q, k, v
+        through a short causal convolution first when ``short_conv``)."""
         B, T, d = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x)
+        if self.conv is not None:
+            qkv = self.conv(qkv, None)[0]
+        q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(B, T, d))
 

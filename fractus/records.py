@@ -109,15 +109,17 @@ def write_csv(path: str | Path, rows: Iterable[dict], device: torch.device | str
     return _write_rows(path, [{**r, **prov} for r in rows])
 
 
-def append_csv(path: str | Path, row: dict, device: torch.device | str = "cpu") -> Path:
-    """Add ``row`` with its provenance to the CSV at ``path`` (created if absent), keeping the
-    rows already there as they are; refused as :func:`csv_rows` says. Processes appending to one
-    file at once each add their row: the read and the replace happen under a lock on its folder."""
-    row = {**row, **provenance(device)}
+def append_csv(path: str | Path, row: dict | list[dict], device: torch.device | str = "cpu") -> Path:
+    """Add ``row`` (or each of a list of rows, all at once) with its provenance to the CSV at ``path``
+    (created if absent), keeping the rows already there as they are; refused as :func:`csv_rows`
+    says. Processes appending to one file at once each add their rows: the read and the replace
+    happen under a lock on its folder."""
+    prov = provenance(device)
+    rows = [{**r, **prov} for r in (row if isinstance(row, list) else [row])]
     path = Path(path)
-    csv_rows(path, list(row))  # refused now, not after waiting for the lock; creates the folder
+    csv_rows(path, list(rows[0]))  # refused now, not after waiting for the lock; creates the folder
     with folder_lock(path.parent):
-        return _write_rows(path, [*csv_rows(path, list(row)), row])
+        return _write_rows(path, [*csv_rows(path, list(rows[0])), *rows])
 
 
 @contextlib.contextmanager

@@ -110,7 +110,7 @@ def mqar(n: int, seq_len: int, pairs: int, vocab: int, seed: int) -> tuple[torch
 @dataclass(frozen=True)
 class RecallModel:
     """A model of MQAR's grid: "cte" (a preset's switches at width ``d_model``, ``changes`` on
-    top) or "transformer" (the Transformer++ at the same width and depth)."""
+    top) or "transformer" (the Transformer++ at the same width and depth, ``changes`` to its config)."""
     name: str
     kind: str = "cte"
     preset: str = "palier0"
@@ -119,7 +119,7 @@ class RecallModel:
     def build(self, d_model: int, n_layers: int, vocab: int, seq_len: int):
         if self.kind == "transformer":
             return Transformer(TransformerConfig(vocab_size=vocab, d_model=d_model, head_dim=32, n_layers=n_layers,
-                                                 context=seq_len))
+                                                 context=seq_len, **dict(self.changes)))
         heads = max(1, d_model // 64)
         return FractusCTE(FractusConfig.preset(self.preset, vocab_size=vocab, d_model=d_model, n_heads=heads,
                                                n_layers=n_layers, expert_d_ff=d_model, **dict(self.changes)))
@@ -128,27 +128,37 @@ class RecallModel:
 RECALL_MODELS = (
     RecallModel("default"),
     RecallModel("transformer", kind="transformer"),
+    RecallModel("transformer + short conv", kind="transformer", changes=(("short_conv", 4),)),
     RecallModel("original", preset="original-palier0"),
+    RecallModel("default − short conv", changes=(("short_conv", 0),)),
     RecallModel("default − window", changes=(("attn_window", 0),)),
-    RecallModel("default, one level", changes=(("n_levels", 1),)),
-    RecallModel("default, linear router", changes=(("router", "linear"),)),
+    RecallModel("default − decay gate", changes=(("decay_gate", False),)),
     RecallModel("default, no decay", changes=(("attn_decay", 1.0),)),
 )
+RECALL_BY_NAME = {m.name: m for m in RECALL_MODELS}
+
+# Zoology's way: one model trained on a mixture of (seq_len, pairs) settings, batches taking turns,
+# then scored on each setting of a grid: pairs D at T = 256, and lengths T at D = 16 (T = 512 is
+# longer than any training sequence).
+TRAIN_MIX = ((64, 4), (128, 8), (256, 16))
+TEST_GRID = ((256, 4), (256, 8), (256, 16), (256, 32), (256, 64), (64, 16), (128, 16), (512, 16))
 
 
-def train_recall(recall_model: RecallModel, seq_len: int, pairs: int, lr: float, seed: int, d_model: int = 64,
-                 n_layers: int = 2, vocab: int = 256, steps: int = 1500, batch: int = 64,
-                 n_test: int = 1000) -> dict:
-    """Train ``recall_model`` on fresh MQAR batches (``steps`` AdamW steps of ``batch`` sequences, warm-up
-    then cosine) and score it on ``n_test`` held-out sequences: the fraction of queried values
-    predicted exactly (argmax). Returns a row with the model's name, the task, the rate, the seed,
-    the accuracy, the final training loss and the training seconds."""
+def train_recall(recall_model: RecallModel, lr: float, seed: int, d_model: int = 64, n_layers: int = 2,
+                 vocab: int = 256, steps: int = 1500, batch: int = 32, n_test: int = 500,
+                 mix=TRAIN_MIX, tests=TEST_GRID) -> list[dict]:
+    """Train ``recall_model`` on fresh MQAR batches (``steps`` AdamW steps of ``batch`` sequences, the
+    settings of ``mix`` taking turns; warm-up then cosine) and score it on ``n_test`` held-out
+    sequences of each (seq_len, pairs) of ``tests``: the fraction of queried values predicted exactly
+    (argmax). Returns a row per test setting with the model's name, the rate, the seed, the
+    accuracy, whether the setting was trained on, the last training CE and the training seconds."""
     torch.manual_seed(seed)
-    model = recall_model.build(d_model, n_layers, vocab, seq_len)
+    model = recall_model.build(d_model, n_layers, vocab, max(t for t, _ in (*mix, *tests)))
     opt = make_optimizer(model, "adamw", lr, 0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, steps // 10), steps, 0.1))
-    t0, loss = time.perf_counter(), float("nan")
+    t0, losses = time.perf_counter(), []
     for step in range(steps):
+        seq_len, pairs = mix[step % len(mix)]
         x, y = mqar(batch, seq_len, pairs, vocab, seed=1_000_003 * seed + step + 1)
         _, parts, _ = model(x, None, y)
         parts["loss"].backward()
@@ -156,12 +166,13 @@ def train_recall(recall_model: RecallModel, seq_len: int, pairs: int, lr: float,
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        loss = float(parts["ce"].detach())
+        losses.append(float(parts["ce"].detach()))
     train_s = time.perf_counter() - t0
-    return {"model": recall_model.name, "d_model": d_model, "n_layers": n_layers, "seq_len": seq_len, "pairs": pairs,
-            "vocab": vocab, "lr": lr, "seed": seed, "steps": steps, "accuracy": recall_accuracy(model, seq_len, pairs,
-                                                                                            vocab, n_test),
-            "train_ce": loss, "params": model.num_params(), "train_s": train_s}
+    run = {"model": recall_model.name, "d_model": d_model, "n_layers": n_layers, "vocab": vocab, "lr": lr,
+           "seed": seed, "steps": steps, "batch": batch, "train_ce": float(np.mean(losses[-len(mix):])),
+           "params": model.num_params(), "train_s": train_s}
+    return [{**run, "seq_len": t, "pairs": d, "trained_on": (t, d) in mix,
+             "accuracy": recall_accuracy(model, t, d, vocab, n_test)} for t, d in tests]
 
 
 @torch.no_grad()
@@ -181,20 +192,19 @@ def recall_accuracy(model, seq_len: int, pairs: int, vocab: int, n: int, seed: i
     return right / total
 
 
-def _recall_job(args: tuple) -> dict:
-    name, seq_len, pairs, lr, seed, kw = args
+def _recall_job(args: tuple) -> list[dict]:
+    name, lr, seed, kw = args
     torch.set_num_threads(1)
-    return train_recall(RECALL_BY_NAME[name], seq_len, pairs, lr, seed, **kw)
+    return train_recall(RECALL_BY_NAME[name], lr, seed, **kw)
 
 
-RECALL_BY_NAME = {m.name: m for m in RECALL_MODELS}
-RECALL_KEY = ("model", "seq_len", "pairs", "lr", "seed", "d_model", "steps")
+RECALL_KEY = ("model", "lr", "seed", "d_model", "steps")
 
 
 def run_recall(jobs: list[tuple], csv, workers: int = 2, log=print, **kw) -> pd.DataFrame:
-    """Each (model name, seq_len, pairs, lr, seed) of ``jobs`` not yet in ``csv`` (same d_model and
-    steps), ``workers`` processes of one thread at a time; each row appended to ``csv`` with its
-    provenance as it finishes (an interrupted grid resumes). Returns ``csv``'s rows."""
+    """Train each (model name, lr, seed) of ``jobs`` not yet in ``csv`` (same d_model and steps),
+    ``workers`` processes of one thread at a time; each run's rows (one per test setting) appended to
+    ``csv`` with their provenance as it finishes (an interrupted grid resumes). Returns ``csv``'s rows."""
     kw = {"d_model": 64, "steps": 1500, **kw}
     done = set()
     if Path(csv).exists():
@@ -206,8 +216,9 @@ def run_recall(jobs: list[tuple], csv, workers: int = 2, log=print, **kw) -> pd.
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
         futures = [pool.submit(_recall_job, (*j, kw)) for j in todo]
         for fut in as_completed(futures):
-            r = fut.result()
-            append_csv(csv, r)
-            log(f"{r['model']:32s} T {r['seq_len']:4d} pairs {r['pairs']:3d} lr {r['lr']:g} seed {r['seed']}: "
-                f"accuracy {r['accuracy']:.3f} ({r['train_s']:.0f} s)")
+            rows = fut.result()
+            append_csv(csv, rows)
+            r = rows[0]
+            log(f"{r['model']:24s} lr {r['lr']:g} seed {r['seed']}: accuracy "
+                + " ".join(f"{x['seq_len']}/{x['pairs']} {x['accuracy']:.2f}" for x in rows) + f" ({r['train_s']:.0f} s)")
     return pd.read_csv(csv)

@@ -31,9 +31,22 @@ def test_mqar_is_deterministic_and_scores_only_the_queries():
 
 
 def test_a_small_attention_model_learns_two_pair_recall():
-    r = M.train_recall(M.RecallModel("t", kind="transformer"), 12, 2, 3e-3, 0, d_model=32, steps=600, batch=64,
-                       vocab=32, n_test=500)
-    assert r["params"] < 30_000 and r["accuracy"] > 0.9, r
+    rows = M.train_recall(M.RecallModel("t", kind="transformer"), 3e-3, 0, d_model=32, steps=600, batch=64, vocab=32,
+                          n_test=500, mix=((12, 2),), tests=((12, 2), (16, 2)))
+    assert [(r["seq_len"], r["pairs"], r["trained_on"]) for r in rows] == [(12, 2, True), (16, 2, False)]
+    assert rows[0]["params"] < 30_000 and rows[0]["accuracy"] > 0.9, rows
+
+
+def test_the_transformers_short_convolution_is_causal():
+    torch.manual_seed(0)
+    tf = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=2, context=20, short_conv=4))
+    x = torch.randint(0, 50, (2, 20))
+    y = x.clone()
+    y[:, 12:] = (y[:, 12:] + 1) % 50
+    a, b = tf(x)[0], tf(y)[0]
+    assert torch.allclose(a[:, :12], b[:, :12], atol=1e-6) and not torch.allclose(a[:, 12], b[:, 12])
+    with pytest.raises(ValueError, match="short_conv"):
+        TransformerConfig(short_conv=1)
 
 
 def test_chance_is_the_floor_before_training():
@@ -59,9 +72,10 @@ def test_position_and_reset_curves():
 
 def test_the_recall_grid_keeps_finished_runs(tmp_path):
     csv, log = tmp_path / "recall.csv", []
-    kw = dict(d_model=32, steps=5, vocab=32, batch=8, n_test=50)
-    jobs = [("transformer", 12, 2, 3e-3, 0), ("default", 12, 2, 3e-3, 0)]
+    kw = dict(d_model=32, steps=5, vocab=32, batch=8, n_test=50, mix=((12, 2), (16, 3)), tests=((16, 3), (24, 4)))
+    jobs = [("transformer", 3e-3, 0), ("default", 3e-3, 0)]
     rows = M.run_recall(jobs, csv, workers=1, log=log.append, **kw)
-    assert sorted(rows["model"]) == ["default", "transformer"] and rows["git_sha"].notna().all()
+    assert sorted(rows["model"]) == ["default"] * 2 + ["transformer"] * 2 and rows["git_sha"].notna().all()
+    assert list(rows["trained_on"]) == [True, False] * 2  # a row per test setting, in the mix or not
     again = M.run_recall(jobs, csv, workers=1, log=log.append, **kw)
-    assert len(again) == 2 and log[-1] == f"2 of 2 recall runs kept from {csv}"
+    assert len(again) == 4 and log[-1] == f"2 of 2 recall runs kept from {csv}"
