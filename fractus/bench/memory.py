@@ -2,9 +2,9 @@
 
 Three measurements, each for the CTE models and the Transformer++ (notebook ``08_memory``):
 
-- :func:`ce_by_position`: validation CE by position since a cold start, the split read as
-  contiguous streams (the CTE, state carried) or as windows of the transformer's context, in
-  log-spaced buckets;
+- :func:`ce_by_position`: validation CE by position since a cold start, in log-spaced buckets:
+  within the transformer's context on every window of the split (the same tokens for every
+  model), beyond it on contiguous streams read with the state carried (the CTE);
 - :func:`ce_with_resets`: validation CE with the state started afresh every R tokens against the
   state carried through each stream;
 - multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): :func:`mqar` writes
@@ -33,7 +33,7 @@ from fractus.model import FractusConfig, FractusCTE
 from fractus.records import append_csv
 from fractus.train import lr_lambda, make_optimizer
 
-BUCKETS = (0, 16, 64, 256, 1024, 4096)  # lower edges of the position buckets (the last runs to the end)
+BUCKETS = (0, 1, 4, 16, 64, 256, 1024, 4096)  # lower edges of the position buckets (the last runs to the end)
 RESETS = (16, 64, 256, 1024, 4096)  # state reset every R tokens
 
 
@@ -55,19 +55,45 @@ def token_losses(model, tokens, streams: int, chunk_len: int, carried: bool = Tr
     return torch.cat(out, 1)
 
 
-def ce_by_position(model, tokens, streams: int, chunk_len: int, buckets=BUCKETS) -> list[dict]:
-    """Mean CE of the tokens in each position bucket since each stream's cold start: rows
-    {bucket_lo, bucket_hi, positions, ce}. A stateless model reads every chunk afresh, so its
-    positions are those within its chunk (its context)."""
-    carried = not isinstance(model, Transformer)
-    losses = token_losses(model, tokens, streams, chunk_len, carried)  # [S, L]
-    pos = torch.arange(losses.shape[1]) if carried else torch.arange(losses.shape[1]) % chunk_len
+def window_losses(model, tokens, window: int, batch: int = 32) -> torch.Tensor:
+    """Per-token CE [n, window] of ``model`` reading every one of the n = (len − 1) // window
+    consecutive windows of ``tokens`` from an empty state, ``batch`` windows at a time."""
+    was = model.training
+    model.eval()
+    n = (len(tokens) - 1) // window
+    t = torch.as_tensor(np.asarray(tokens[:n * window + 1], dtype=np.int64))
+    x, y = t[:-1].view(n, window), t[1:].view(n, window)
+    out = []
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            logits = model(x[i:i + batch])[0]
+            out.append(F.cross_entropy(logits.flatten(0, 1).float(), y[i:i + batch].flatten(),
+                                       reduction="none").view(-1, window))
+    model.train(was)
+    return torch.cat(out)
+
+
+def ce_by_position(model, tokens, streams: int, chunk_len: int, window: int, buckets=BUCKETS) -> list[dict]:
+    """Mean CE of the tokens in each position bucket since a cold start: rows {bucket_lo,
+    bucket_hi, tokens, ce}. Positions below ``window`` (the transformer's context): every window of
+    the split read from an empty state (:func:`window_losses`), the same tokens for every model;
+    positions from ``window`` on (stateful models only): ``streams`` contiguous streams read in
+    ``chunk_len``-token chunks, the state carried (:func:`token_losses`)."""
+    short = window_losses(model, tokens, window)  # [n, window]
+    if isinstance(model, Transformer):
+        long = short.new_zeros(0, 0)
+    else:
+        long = token_losses(model, tokens, streams, chunk_len)[:, window:]  # [streams, L − window]
     rows = []
     for lo, hi in zip(buckets, (*buckets[1:], math.inf)):
-        sel = (pos >= lo) & (pos < hi)
-        if sel.any():
-            rows.append({"bucket_lo": lo, "bucket_hi": min(hi, int(pos.max()) + 1), "positions": int(sel.sum()),
-                         "ce": float(losses[:, sel].mean())})
+        parts = [short[:, lo:min(hi, window)]] if lo < window else []
+        if hi > window and long.numel():
+            parts.append(long[:, max(lo, window) - window:hi - window if hi < math.inf else None])
+        parts = [p.flatten() for p in parts if p.numel()]
+        if parts:
+            last = window if not long.numel() else window + long.shape[1]
+            rows.append({"bucket_lo": lo, "bucket_hi": min(hi, last), "tokens": sum(len(p) for p in parts),
+                         "ce": float(torch.cat(parts).mean())})
     return rows
 
 

@@ -58,16 +58,20 @@ def test_position_and_reset_curves():
     torch.manual_seed(0)
     tokens = torch.randint(0, 50, (2001,)).numpy()
     cte = FractusCTE(FractusConfig.preset("tiny", vocab_size=50))
-    rows = M.ce_by_position(cte, tokens, 4, 25, buckets=(0, 16, 64, 256))
-    assert [r["bucket_lo"] for r in rows] == [0, 16, 64, 256] and sum(r["positions"] for r in rows) == 500
-    whole = M.token_losses(cte, tokens, 4, 25).mean()
-    assert abs(sum(r["ce"] * r["positions"] for r in rows) / 500 - float(whole)) < 1e-4
+    short = M.window_losses(cte, tokens, 25, batch=7)  # 80 windows, read cold, in batches
+    assert short.shape == (80, 25) and torch.allclose(short, M.token_losses(cte, tokens, 80, 25, carried=False))
+    long = M.token_losses(cte, tokens, 4, 25)  # 4 streams of 500, the state carried
+    rows = M.ce_by_position(cte, tokens, 4, 25, window=25, buckets=(0, 16, 64, 256))
+    assert [(r["bucket_lo"], r["bucket_hi"], r["tokens"]) for r in rows] == [
+        (0, 16, 80 * 16), (16, 64, 80 * 9 + 4 * 39), (64, 256, 4 * 192), (256, 500, 4 * 244)]
+    assert abs(rows[1]["ce"] - float(torch.cat([short[:, 16:].flatten(), long[:, 25:64].flatten()]).mean())) < 1e-5
+    assert abs(rows[3]["ce"] - float(long[:, 256:].mean())) < 1e-5
     resets = M.ce_with_resets(cte, tokens, 4, 25, resets=(25, 100, 1000))
     assert [r["reset"] for r in resets] == [None, 25, 100]  # 1000 > a stream's 500 tokens
-    assert abs(resets[0]["ce"] - float(whole)) < 1e-6
+    assert abs(resets[0]["ce"] - float(long.mean())) < 1e-6
     tf = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=1, context=25))
-    rows = M.ce_by_position(tf, tokens, 4, 25, buckets=(0, 16, 64))
-    assert [r["bucket_lo"] for r in rows] == [0, 16] and rows[-1]["bucket_hi"] == 25  # within its context
+    rows = M.ce_by_position(tf, tokens, 4, 25, window=25, buckets=(0, 16, 64))
+    assert [(r["bucket_lo"], r["bucket_hi"]) for r in rows] == [(0, 16), (16, 25)]  # within its context
 
 
 def test_the_recall_grid_keeps_finished_runs(tmp_path):
