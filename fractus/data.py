@@ -1,4 +1,4 @@
-"""Corpora as memory-mapped token files, and the contiguous streams the trainer reads.
+"""Corpora as memory-mapped token files, and the windows and contiguous streams the trainer reads.
 
 ``python -m fractus.data prepare --input FILE_OR_DIR --out DIR [--vocab N]`` writes
 ``train.bin`` / ``val.bin`` (uint16 or uint32 token ids, documents joined by EOT) and

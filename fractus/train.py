@@ -1,8 +1,8 @@
 """Trainer and CLI: ``python -m fractus.train --preset palier0 --data DIR --tokens N --out DIR``.
 
-The training split is cut into B contiguous streams; each micro-step reads the next C-token
-chunk of every stream and carries the attention state (S, z), detached, across chunks. An
-optimizer step accumulates ``--accum`` micro-steps. Validation reports cross-entropy in
+Each micro-step reads B windows of C tokens of the training split, shuffled, each from an empty
+state (``--sampling windows``, the default), or the next C-token chunk of B contiguous streams,
+the attention state carried, detached, across chunks (``--sampling streams``). An optimizer step accumulates ``--accum`` micro-steps. Validation reports cross-entropy in
 nats/token, bits per byte and perplexity on the held-out split. Checkpoints hold model,
 optimizer, scheduler, data position, every process's carried state and RNG, and the provenance
 of each training session (rank 0's process) from the step it started at (``sessions``:

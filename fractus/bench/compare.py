@@ -6,17 +6,19 @@ windows of 256 positions, the trainer's default; scored with the state carried t
 contiguous streams), the original architecture (``original-palier0``, 32 contiguous streams of 64
 positions, the state carried) and the Transformer++ (:mod:`fractus.baseline`; 8 shuffled windows
 of 256, scored with sliding windows of 256 every 128, and also as the CTE's chunks without
-context). Three stages:
+context). Five stages, each over the three models or the ones named (any of :data:`LEVERS` too):
 
-- ``sweep``: every model at each of :data:`LRS` (spaced ×2), one seed;
-- ``seeds``: every model at its best rate of the sweep from :data:`SEEDS`;
-- ``budget``: every model at its best rate at about 20 tokens per parameter (:data:`BUDGET_TOKENS`).
+- ``sweep``: each model at each of its rates (:data:`LRS`, spaced ×2; a lever at :data:`RATES`), one seed;
+- ``seeds``: each model at its best rate of the sweep from :data:`SEEDS`;
+- ``budget``: each model at its best rate at about 20 tokens per parameter (:data:`BUDGET_TOKENS`);
+- ``levers``: each of :data:`LEVERS` at one rate (``--lr``; the default CTE's best), one seed;
+- ``timing``: training tokens/s, the models taking turns in one process (:func:`timing`).
 
 Each run trains in its own directory under ``runs`` and resumes there if it was stopped; each
 finished run appends its rows (one per evaluation reading: ``eval`` carried, sliding or chunks)
 to the results CSV with provenance, and a run whose rows are already there is not trained again.
 Runs go two at a time, one thread each, so that the models' times compare within a run.
-``python -m fractus.bench.compare sweep|seeds|budget --data DIR --csv results/compare_cpu.csv``.
+``python -m fractus.bench.compare sweep|seeds|budget|levers|timing --data DIR [--models NAME …]``.
 """
 from __future__ import annotations
 
@@ -71,7 +73,9 @@ def headline_reading(model: str) -> str:
     names that start with "transformer"), the state carried through contiguous streams for every CTE."""
     return "sliding" if model.startswith("transformer") else "carried"
 
-LRS = (3.75e-4, 7.5e-4, 1.5e-3, 3e-3, 6e-3)  # AdamW peak rates, ×2 apart
+RATES = (3.75e-4, 7.5e-4, 1.5e-3, 3e-3, 6e-3)  # AdamW peak rates, ×2 apart
+# each model's sweep: RATES, one step higher for the default CTE (its best, 6e-3, would be RATES' edge)
+LRS = {m: RATES for m in MODELS} | {"default": (*RATES[1:], 1.2e-2)}
 DEMO_TOKENS = 3_000_000  # make demo's budget
 BUDGET_TOKENS = 27_000_000  # about 20 tokens per parameter at palier0 (1.35–1.44 M parameters)
 SEEDS = (0, 1, 2)
@@ -155,15 +159,18 @@ def best_lr(rows: pd.DataFrame, model: str, tokens: int = DEMO_TOKENS) -> float:
     return float(h.groupby("lr")["val_ce"].mean().idxmin())
 
 
-def stage_jobs(stage: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=LRS, seeds=SEEDS,
+def stage_jobs(stage: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=None, seeds=SEEDS,
                demo_tokens: int = DEMO_TOKENS, budget_tokens: int = BUDGET_TOKENS,
                lr: float | None = None) -> list[tuple]:
-    """The (model, lr, seed, tokens) runs of ``stage``; ``seeds`` and ``budget`` take each model's
-    best rate from the sweep's rows (``rows``), ``levers`` train each of :data:`LEVERS` at ``lr``
-    (default: the default CTE's best)."""
+    """The (model, lr, seed, tokens) runs of ``stage``; ``sweep`` runs each model at its rates
+    (``lrs`` or :data:`LRS`, :data:`RATES` for a model not there), ``seeds`` and ``budget`` take each
+    model's best rate from the sweep's rows (``rows``), ``levers`` train each of :data:`LEVERS` at
+    ``lr`` (default: the default CTE's best)."""
     if stage == "sweep":  # rates from the middle out, so that the first finished runs say the most
-        order = sorted(lrs, key=lambda lr: abs(lrs.index(lr) - (len(lrs) - 1) / 2))
-        return [(m, lr, seeds[0], demo_tokens) for lr in order for m in models]
+        rates = {m: (lrs or LRS).get(m, RATES) for m in models}
+        jobs = [(abs(i - (len(rates[m]) - 1) / 2), (m, lr, seeds[0], demo_tokens))
+                for m in models for i, lr in enumerate(rates[m])]
+        return [j for _, j in sorted(jobs, key=lambda dj: dj[0])]
     if rows is None:
         raise ValueError(f"stage {stage} needs the sweep's rows: run the sweep first")
     if stage == "levers":
@@ -266,8 +273,12 @@ def main(argv=None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timing-csv", default="results/compare_timing_cpu.csv",
                     help="timing: the CSV its rows go to (replaced)")
-    ap.add_argument("--models", nargs="*", default=None, help="timing: the models to time (default: all)")
+    ap.add_argument("--models", nargs="*", default=None, help="the models of the stage, from the three and the "
+                                                               "levers (default: the three; timing: all)")
     a = ap.parse_args(argv)
+    unknown = [m for m in a.models or () if m not in {**MODELS, **LEVERS}]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; the models: {[*MODELS, *LEVERS]}")
 
     def body():
         if a.stage == "timing":
@@ -276,7 +287,7 @@ def main(argv=None) -> None:
             print(t.groupby("model", sort=False)["tok_s"].median().to_string())
             return
         rows = pd.read_csv(a.csv) if Path(a.csv).exists() else None
-        jobs = stage_jobs(a.stage, rows, lr=a.lr)
+        jobs = stage_jobs(a.stage, rows, lr=a.lr, **({"models": a.models} if a.models else {}))
         rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.stage, a.workers, models={**MODELS, **LEVERS})
         print(summary(rows).to_string(float_format=lambda x: f"{x:.4g}"))
     run_command(body, interrupted="interrupted: finished runs are in the CSV; a stopped one resumes from its "

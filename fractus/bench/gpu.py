@@ -11,8 +11,8 @@
    torch.compile: these compile and autotune, so they come after the training target), then
    tick-by-tick generation tokens/s, the optimization stack and the profiler breakdown (notebooks
    01, 02); last, every kernel once at offsets past 2³¹ elements (:mod:`fractus.verify.offsets`);
-5. CSVs under ``results/gpu/`` (read by the notebooks), ``targets.csv`` (each target of the
-   issues: met, missed or not measured) and a summary printed last (a pass/fail table per kernel
+5. CSVs under ``results/gpu/`` (read by the notebooks), ``targets.csv`` (each of the project's
+   targets: met, missed or not measured) and a summary printed last (a pass/fail table per kernel
    and dtype, the training sweep, generation, the targets).
 
 A failing stage is recorded in ``failures.csv`` and the suite goes on (after one that leaves
@@ -484,8 +484,7 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
 
 
 def target_rows(tables: dict[str, pd.DataFrame]) -> list[dict]:
-    """The targets in one table: every kernel check passed, each timing table's target rows (the
-    kernel issues'), and the training target (best tok/s and MFU of the sweep for its preset);
+    """The targets in one table: every kernel check passed, each timing table's target rows, and the training target (best tok/s and MFU of the sweep for its preset);
     ``met`` is empty where it was not measured."""
     checks = [t for name, t in tables.items() if name.startswith("correctness_") and name != "correctness_offsets"]
     c = pd.concat(checks, ignore_index=True) if checks else pd.DataFrame({"passed": []})

@@ -37,7 +37,7 @@ SMALL, TARGET = "palier0", "palier1"
 PATHS = {"grown": f"{SMALL}:3M:lr={default_lr('adamw', 'cte', SMALL):g},{TARGET}:4M", "scratch": f"{TARGET}:6M"}
 SWEEP = {"schedule": f"{TARGET}:1.5M", "lrs": (1.5e-3, 3e-3, 6e-3)}
 SEEDS = (0, 1)
-READING = ["--batch-size", "32", "--chunk-len", "64", "--accum", "1"]  # make demo's: 2,048 tokens a step
+READING = ["--batch-size", "32", "--chunk-len", "64", "--accum", "1"]  # 2,048 tokens a step: 32 windows of 64
 COLUMNS = ("path", "schedule", "stage", "preset", "tokens", "flops", "lr", "seed", "val_ce", "val_bpb", "wall_s")
 
 

@@ -95,12 +95,12 @@ def measure_training(preset: str = "palier0", *, batch_size: int = 8, chunk_len:
             **{k: v for k, v in overrides.items()}}
 
 
-CPU_TARGETS = [  # (preset, vocab, target tok/s) from the foundation issue; B=8, C=32, SGD, accum 8
+CPU_TARGETS = [  # (preset, vocab, target tok/s) the CPU targets; B=8, C=32, SGD, accum 8
     ("palier0", 50257, 2000.0),
     ("palier2", 50257, 300.0),
     ("palier0", 8192, 8000.0),
 ]
-# two of the training optimizations of the seed's optimized configuration
+# two of the training optimizations of the original's optimized configuration
 ORIGINAL_OPTIMIZATIONS = dict(head_positions="last", detach_kuramoto=True)
 
 

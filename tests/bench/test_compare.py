@@ -19,8 +19,10 @@ def rows(spec):
 
 def test_sweep_then_seeds_and_budget_at_each_model_s_best_rate():
     sweep = C.stage_jobs("sweep", None)
-    assert len(sweep) == len(C.LRS) * len(C.MODELS) and {j[1] for j in sweep} == set(C.LRS)
-    assert sweep[0][1] == C.LRS[len(C.LRS) // 2]  # the middle rate first
+    assert sorted(sweep) == sorted((m, lr, 0, C.DEMO_TOKENS) for m in C.MODELS for lr in C.LRS[m])
+    assert [j[:2] for j in sweep[:3]] == [("default", 3e-3), ("transformer", 1.5e-3), ("original", 1.5e-3)]  # middles first
+    lever = C.stage_jobs("sweep", None, models=("default − decay gate",))
+    assert [j[1] for j in lever] == [1.5e-3, 7.5e-4, 3e-3, 3.75e-4, 6e-3]  # RATES, from the middle out
     r = rows([("default", 1.5e-3, 0, 4.4), ("default", 3e-3, 0, 4.3), ("transformer", 1.5e-3, 0, 4.2),
               ("transformer", 3e-3, 0, 4.5), ("original", 3e-3, 0, 5.0)])
     r = pd.concat([r, r.assign(eval="chunks", val_ce=1.0)[r["model"] == "transformer"]])  # not its headline

@@ -64,7 +64,7 @@ def test_gpu_suite_dry_run(dry_run):
     offsets = pd.read_csv(tmp_path / "correctness_offsets.csv")  # the same code paths, at small sizes
     assert offsets["passed"].all() and len(offsets) == 22, offsets.to_dict("records")
     assert offsets["kernel"].str.split("[").str[0].nunique() == 4
-    targets = pd.read_csv(tmp_path / "targets.csv").set_index("target")  # one table of the issues' targets
+    targets = pd.read_csv(tmp_path / "targets.csv").set_index("target")  # one table of the project's targets
     assert targets.loc["every kernel correct (fp32 and bf16 vs the fp32 truth)", "met"]
     assert targets.loc["every kernel correct at offsets past 2^31 elements (the last rows vs the reference)", "met"]
     assert targets.loc["the trainer on the device: stopped + --resume equals one run", "met"]
