@@ -56,9 +56,26 @@ GELU_FLOPS = 2.0 + TRANSCENDENTAL
 OPT_VALUES = {"adamw": 7, "sgd": 5, "rmsprop": 5}
 OPT_FLOPS = {"adamw": 12, "sgd": 4, "rmsprop": 6}
 
-# NVIDIA H200 SXM datasheet peaks (dense) and memory.
-H200_DATASHEET = {"hbm_gbs": 4800.0, "bf16_tflops": 989.0, "tf32_tflops": 494.0, "fp32_tflops": 67.0, "memory_gb": 141.0}
-H200_NVL_BF16_TFLOPS = 835.5  # the H200 NVL card (also 141 GB): 1,671 TFLOP/s bf16 with sparsity
+# NVIDIA datasheet peaks (dense: half the "with sparsity" figures) and memory, by the words of the
+# name CUDA reports ("NVIDIA H100 80GB HBM3" is the H100 SXM, "NVIDIA H200 NVL" the H200 NVL card)
+DATASHEETS = {
+    "H200": {"hbm_gbs": 4800.0, "bf16_tflops": 989.0, "tf32_tflops": 494.0, "fp32_tflops": 67.0, "memory_gb": 141.0},
+    "H200 NVL": {"hbm_gbs": 4800.0, "bf16_tflops": 835.5, "tf32_tflops": 417.5, "fp32_tflops": 60.0, "memory_gb": 141.0},
+    "H100": {"hbm_gbs": 3350.0, "bf16_tflops": 989.0, "tf32_tflops": 494.0, "fp32_tflops": 67.0, "memory_gb": 80.0},
+    "H100 NVL": {"hbm_gbs": 3900.0, "bf16_tflops": 835.5, "tf32_tflops": 417.5, "fp32_tflops": 60.0, "memory_gb": 94.0},
+    "H100 PCIe": {"hbm_gbs": 2000.0, "bf16_tflops": 756.0, "tf32_tflops": 378.0, "fp32_tflops": 51.0, "memory_gb": 80.0},
+}
+H200_DATASHEET = DATASHEETS["H200"]  # the SXM card: the GPU the cost model's column predicts
+
+
+def datasheet(device_name: str) -> dict | None:
+    """The datasheet of a CUDA device by its name, the most specific entry whose words it contains
+    ("NVIDIA H100 PCIe" → "H100 PCIe", "NVIDIA H100 80GB HBM3" → "H100"); None for another GPU."""
+    words = device_name.split()
+    for key in sorted(DATASHEETS, key=len, reverse=True):
+        if all(w in words for w in key.split()):
+            return DATASHEETS[key]
+    return None
 
 
 def _attn_chunk(chunk_len: int, attn_chunk: int | None) -> int:

@@ -19,7 +19,10 @@ backward of one micro-step, then AdamW's step) is predicted as
   time less its ops' times alone, per op (:func:`per_op_overhead`).
 
 The check measures the steps themselves (:func:`fractus.bench.throughput.measure_training`, each
-case in its own processes, the cases taken in turn) and never feeds the fit. The terms reported:
+case in its own processes) and never feeds the fit. Fit and check run in three rounds, preset by
+preset, so that each prediction is checked against steps measured minutes after it (:func:`rounds`):
+the prediction is the median of the rounds' fits, the measurement the median of their runs. The
+terms reported:
 ``matmul`` (mm, addmm, bmm, baddbmm, and the fused softmax attention of the window level),
 ``other`` (every other op of the forward and backward),
 ``optimizer`` (the ops of AdamW's step) and ``overhead`` (ops × per-op overhead).
@@ -274,10 +277,9 @@ def predict(ops: list[Op], alone: list[float], overhead_s: float) -> dict:
 
 
 # ----------------------------------------------------------------------------- the fit
-def per_op_overhead(preset: str, pool: _ColdPool, cache_bytes: int, reps: int, steps: int, cache: dict) -> dict:
-    """The per-op overhead of ``preset``'s structure: its step at :data:`TINY` widths and B = 1,
-    measured (the median of ``steps`` after two warm-up steps), less its ops' times alone, per op;
-    and the host's whole cost per op there (``host_op_s``: measured time / ops)."""
+def _tiny_step(preset: str, steps: int) -> tuple[TrainingStep, float]:
+    """``preset``'s structure at :data:`TINY` widths and B = 1 on CPU, and its measured step time
+    (the median of ``steps`` after two warm-up steps)."""
     step = TrainingStep(preset, batch_size=1, **STEP, **TINY)
     for i in range(2):
         step.forward_backward(i)
@@ -288,7 +290,22 @@ def per_op_overhead(preset: str, pool: _ColdPool, cache_bytes: int, reps: int, s
         step.forward_backward(i)
         step.update()
         times.append(time.perf_counter() - t0)
-    measured = statistics.median(times)
+    return step, statistics.median(times)
+
+
+def host_op_seconds(preset: str, steps: int = 5) -> float:
+    """This host's whole cost per op (``host_op_us`` of :func:`per_op_overhead`, in seconds): the
+    tiny-width step's measured time / its ops. The GPU suite's predictions take it as the host's
+    cost of a kernel launch."""
+    step, measured = _tiny_step(preset, steps)
+    return measured / len(trace_step(step, last_level_cache_bytes(), 2 + steps))
+
+
+def per_op_overhead(preset: str, pool: _ColdPool, cache_bytes: int, reps: int, steps: int, cache: dict) -> dict:
+    """The per-op overhead of ``preset``'s structure: its step at :data:`TINY` widths and B = 1,
+    measured (:func:`_tiny_step`), less its ops' times alone, per op; and the host's whole cost per
+    op there (``host_op_us``: measured time / ops)."""
+    step, measured = _tiny_step(preset, steps)
     ops = trace_step(step, cache_bytes, 2 + steps)
     alone, _ = times_alone(ops, pool, reps, cache)
     return {"tiny_ops": len(ops), "tiny_step_s": measured, "tiny_alone_s": sum(alone),
@@ -316,73 +333,65 @@ def fit_rows(preset: str, batches: tuple, dims: dict, reps: int, tiny_steps: int
     return rows
 
 
-def fit(smoke: bool = False) -> list[dict]:
-    """The fit rows of every case, each preset's fitted in a fresh process (in this one when smoke)."""
+def rounds(smoke: bool = False) -> tuple[list[dict], dict[tuple[str, int], list[dict]]]:
+    """The fit and the measured steps, in ``runs`` rounds: in each, preset by preset, the preset's
+    fit (:func:`fit_rows`, in a fresh process, with this CPU's 1024² fp32 matmul rate just before
+    it) and then each of its cases' steps (:func:`fractus.bench.throughput.measure_training`, each
+    in a fresh process), so that a prediction and the steps it is checked against are measured
+    minutes apart, whatever the machine's drift. Smoke: everything in this process. Returns (the
+    fit rows, each with its ``round``; {(preset, batch): [the rounds' measured rows]})."""
+    from fractus.bench.costmodel import cpu_ceilings
     plan = SMOKE if smoke else FULL
     kw = dict(dims=plan["dims"], reps=plan["reps"], tiny_steps=plan["tiny_steps"])
-    rows = []
-    for preset in dict.fromkeys(p for p, _ in cases(smoke)):
-        if smoke:
-            rows += fit_rows(preset, plan["batches"], **kw)
-        else:
-            rows += in_fresh_process("fractus.bench.cpu_costmodel:fit_rows", preset=preset, batches=plan["batches"],
-                                     **kw)
-    return rows
-
-
-# ----------------------------------------------------------------------------- the check
-def measure(smoke: bool = False) -> dict[tuple[str, int], list[dict]]:
-    """Each case's measured steps (:func:`measure_training`), in ``runs`` rounds taking the cases in
-    turn, each case in a fresh process (in this one when smoke): {(preset, batch): [run rows]}."""
-    plan = SMOKE if smoke else FULL
-    out = {c: [] for c in cases(smoke)}
-    for _ in range(plan["runs"]):
-        for preset, b in out:
-            kw = dict(preset=preset, batch_size=b, steps=plan["steps"], warmup=2, **STEP, **plan["dims"])
-            out[(preset, b)].append(measure_training(**kw) if smoke else
-                                    in_fresh_process("fractus.bench.throughput:measure_training", **kw))
-    return out
+    fitted, measured = [], {c: [] for c in cases(smoke)}
+    for r in range(plan["runs"]):
+        for preset in dict.fromkeys(p for p, _ in measured):
+            gflops = cpu_ceilings(n=256 if smoke else 1024)["matmul_flops"] / 1e9
+            rows = (fit_rows(preset, plan["batches"], **kw) if smoke else
+                    in_fresh_process("fractus.bench.cpu_costmodel:fit_rows", preset=preset, batches=plan["batches"], **kw))
+            fitted += [{**row, "round": r, "matmul_gflops": gflops} for row in rows]
+            for b in plan["batches"]:
+                step = dict(preset=preset, batch_size=b, steps=plan["steps"], warmup=2, **STEP, **plan["dims"])
+                measured[(preset, b)].append(measure_training(**step) if smoke else
+                                             in_fresh_process("fractus.bench.throughput:measure_training", **step))
+    return fitted, measured
 
 
 def check_rows(fitted: list[dict], measured: dict[tuple[str, int], list[dict]]) -> list[dict]:
-    """Per case: the prediction, the measured step time (the median of the runs' medians, with the
-    lowest and highest run and the fastest and slowest step) and the prediction's error on the
-    step time, over its range across the runs."""
+    """Per case: the prediction (the median of the rounds' fits, with the lowest and highest), the
+    measured step time (the median of the runs' medians, with the lowest and highest run and the
+    fastest and slowest step) and the prediction's error on the step time, over the measured runs'
+    range."""
     rows = []
-    for f in fitted:
-        runs = measured[(f["preset"], f["batch_size"])]
+    for (preset, b), runs in measured.items():
+        fits = [f for f in fitted if (f["preset"], f["batch_size"]) == (preset, b)]
+        preds = sorted(f["predicted_step_s"] for f in fits)
+        pred = statistics.median(preds)
         meds = sorted(r["step_s"] for r in runs)
         m = statistics.median(meds)
-        pred = f["predicted_step_s"]
-        rows.append({"preset": f["preset"], "architecture": "original" if f["preset"].startswith("original-")
-                     else "default", "batch_size": f["batch_size"], "chunk_len": f["chunk_len"],
-                     "predicted_step_s": pred, "predicted_tok_s": f["tokens"] / pred,
+        rows.append({"preset": preset, "architecture": "original" if preset.startswith("original-") else "default",
+                     "batch_size": b, "chunk_len": fits[0]["chunk_len"], "predicted_step_s": pred,
+                     "predicted_low_s": preds[0], "predicted_high_s": preds[-1],
+                     "predicted_tok_s": fits[0]["tokens"] / pred,
                      "measured_step_s": m, "measured_low_s": meds[0], "measured_high_s": meds[-1],
                      "step_min_s": min(r["step_s_min"] for r in runs), "step_max_s": max(r["step_s_max"] for r in runs),
-                     "measured_tok_s": f["tokens"] / m, "runs": len(runs), "steps_per_run": runs[0]["steps_timed"],
+                     "measured_tok_s": fits[0]["tokens"] / m, "runs": len(runs), "steps_per_run": runs[0]["steps_timed"],
                      "error": pred / m - 1, "error_low": pred / meds[-1] - 1, "error_high": pred / meds[0] - 1,
                      "within_15pct": abs(pred / m - 1) <= 0.15})
     return rows
 
 
 def run(out: Path, smoke: bool = False) -> tuple[list[dict], list[dict]]:
-    """Fit, then measure, this CPU (at the run's threads: torch's own, one when smoke); write
-    ``out/costmodel_cpu_fit.csv`` and ``costmodel_cpu_check.csv`` (the fit's rows also record this
-    CPU's 1024² fp32 matmul rate before the fit and after the measurements, the machine's drift).
-    Returns (fit rows, check rows)."""
-    from fractus.bench.costmodel import cpu_ceilings
+    """Fit and measure this CPU in rounds (:func:`rounds`, at the run's threads: torch's own, one
+    when smoke); write ``out/costmodel_cpu_fit.csv`` (a row per case and round) and
+    ``costmodel_cpu_check.csv`` (a row per case). Returns (fit rows, check rows)."""
     from fractus.records import write_csv
     threads = torch.get_num_threads()
     torch.set_num_threads((SMOKE if smoke else FULL)["threads"] or threads)
     try:
-        start = cpu_ceilings(n=256 if smoke else 1024)["matmul_flops"] / 1e9
-        fitted = fit(smoke)
-        measured = measure(smoke)
-        end = cpu_ceilings(n=256 if smoke else 1024)["matmul_flops"] / 1e9
+        fitted, measured = rounds(smoke)
     finally:
         torch.set_num_threads(threads)
-    for f in fitted:
-        f.update(matmul_gflops_start=start, matmul_gflops_end=end)
     checked = check_rows(fitted, measured)
     write_csv(out / "costmodel_cpu_fit.csv", fitted)
     write_csv(out / "costmodel_cpu_check.csv", checked)

@@ -44,11 +44,7 @@ import torch
 from fractus.atomic import atomic_open
 from fractus.bench import common, optimizations, profile
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
-from fractus.bench.costmodel import (
-    H200_DATASHEET,
-    H200_NVL_BF16_TFLOPS,
-    flops_per_token,
-)
+from fractus.bench.costmodel import datasheet, flops_per_token, gpu_step
 from fractus.bench.throughput import measure_training
 from fractus.cli import CommandError
 from fractus.data import prepare, write_toy_corpus
@@ -62,6 +58,7 @@ from fractus.verify.cases import GEN_PROMPT, kuramoto_case
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
 TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
+COST_MODEL_TOLERANCE = 0.30  # the cost model's predicted step time against the measured one, on the GPU
 # The original's only measured GPU throughput (TRAINING_LOG_1B.md of the Fractus CTE repository, "Live
 # metrics (latest)"): the 1B
 # model at B=2, sequence 128, bf16 autocast, SGD, each of 4 RTX 5090s training its own shard; tok/s per GPU.
@@ -128,12 +125,22 @@ def precompile_rows(dry_run: bool) -> list[dict]:
                           extras=tuple(aot.EXTRAS))
 
 
-def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> Iterator[dict]:
-    """A row per configuration of the sweep as it is measured; a failing one is an error row."""
+def train_rows(device: torch.device, dry_run: bool, peaks: dict) -> Iterator[dict]:
+    """A row per configuration of the sweep as it is measured; a failing one is an error row.
+    Each row also holds the cost model's prediction of its step (:func:`costmodel.gpu_step` at
+    ``peaks``, the device's bf16 TFLOP/s and memory GB/s, with the preset's launches counted on
+    its GPU path and this host's cost per op, :func:`cpu_costmodel.host_op_seconds`) and the
+    prediction's error on the measured step time."""
+    from fractus.bench.cpu_costmodel import host_op_seconds
+    peak_tflops = peaks["bf16_tflops"]
     for preset, batches, chunk in (DRY_SWEEP if dry_run else TRAIN_SWEEP):
         rec = train_setup(preset, chunk)
         flops = sum(flops_per_token(rec.config(), training=True, chunk_len=rec.chunk_len,
                                     head_positions=rec.head_positions).values())
+        try:
+            launches, host_op_s = profile.gpu_launch_count(rec), host_op_seconds(preset)
+        except Exception as e:  # the measurements go on without the predictions
+            launches, host_op_s, unpredicted = None, None, f"prediction: {type(e).__name__}: {e}"[:300]
         for b in batches:
             kw = dict(train_setup(preset, chunk, b).trainer_kwargs(), steps=3, warmup=2, device=str(device),
                       bf16=True)
@@ -143,8 +150,18 @@ def train_rows(device: torch.device, dry_run: bool, peak_tflops: float) -> Itera
             try:
                 r = measure_training(preset, **kw)
                 r["train_flops_per_token"] = flops
-                r["peak_tflops"] = peak_tflops
+                r.update(peak_tflops=peak_tflops, peak_gbs=peaks["hbm_gbs"], peaks=peaks["peaks"])
                 r["mfu"] = r["tok_s"] * flops / (peak_tflops * 1e12)
+                if launches is None:
+                    r["note"] = unpredicted
+                else:
+                    setup = train_setup(preset, chunk, b)
+                    pred = gpu_step(setup.config(), batch_size=b, chunk_len=chunk, launches=launches,
+                                    host_op_s=host_op_s, accum=setup.accum, optimizer=setup.optimizer,
+                                    head_positions=setup.head_positions, peak_flops=peak_tflops * 1e12,
+                                    peak_bw=peaks["hbm_gbs"] * 1e9)
+                    r.update(launches=launches, host_op_us=1e6 * host_op_s, predicted_step_s=pred["step_s"],
+                             predicted_bound=pred["bound"], prediction_error=pred["step_s"] / r["step_s"] - 1)
             except torch.cuda.OutOfMemoryError:
                 yield {**failed, "error": "out of memory"}
                 torch.cuda.empty_cache()
@@ -274,14 +291,17 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
         ceil.update(ceilings(device, dry_run))
         return [ceil]
 
-    def peak_tflops() -> float:
-        """Dense bf16 datasheet peak of the H200 (SXM, or NVL by its name); on a CPU dry run the
-        measured matmul rate."""
-        if not dry_run:
-            return H200_NVL_BF16_TFLOPS if "NVL" in cuda_name(device.index) else H200_DATASHEET["bf16_tflops"]
+    def peaks() -> dict:
+        """The device's dense bf16 TFLOP/s and memory GB/s: its datasheet's
+        (:func:`costmodel.datasheet`), or, on a CPU dry run or a GPU without one, the measured
+        ceilings."""
+        sheet = None if dry_run else datasheet(cuda_name(device.index))
+        if sheet is not None:
+            return {"bf16_tflops": sheet["bf16_tflops"], "hbm_gbs": sheet["hbm_gbs"], "peaks": "datasheet"}
         if not ceil and (out / "ceilings.csv").exists():  # measured by an earlier process of this run
             ceil.update(pd.read_csv(out / "ceilings.csv").iloc[0].to_dict())
-        return max(ceil.get("matmul_tflops", 1e-3), 1e-3)
+        return {"bf16_tflops": max(ceil.get("matmul_tflops", 1e-3), 1e-3), "hbm_gbs": max(ceil.get("copy_gbs", 1e-3), 1e-3),
+                "peaks": "measured"}
 
     def bench(k: str):
         return importlib.import_module(f"fractus.bench.{k}")
@@ -295,7 +315,7 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
     fns["correctness_kuramoto"] = lambda: poisoned(lambda: kuramoto_rows(device, dry_run, timing=False))
     fns["trainer_resume"] = lambda: trainer_rows(device)
     # the training target before the kernels' timings: those also compile and autotune the baselines
-    fns["train_throughput"] = lambda: train_rows(device, dry_run, peak_tflops())
+    fns["train_throughput"] = lambda: train_rows(device, dry_run, peaks())
     for k in KERNELS:
         fns[f"timing_{k}"] = lambda k=k: bench(k).gpu_rows(smoke=dry_run)
     fns["timing_kuramoto"] = lambda: kuramoto_rows(device, dry_run, timing=True)
@@ -522,6 +542,14 @@ def target_rows(tables: dict[str, pd.DataFrame]) -> list[dict]:
         else:
             row["note"] = "not measured"
         rows.append(row)
+    errors = t["prediction_error"].dropna() if t is not None and "prediction_error" in t else pd.Series([], dtype=float)
+    row = {"target": f"cost model within ±{COST_MODEL_TOLERANCE:.0%} of the measured training step times", "met": None}
+    if len(errors):
+        row.update(case=f"{len(errors)} steps of the sweep, errors {errors.min():+.0%} to {errors.max():+.0%}",
+                   value=float(errors.abs().max()), met=bool((errors.abs() <= COST_MODEL_TOLERANCE).all()))
+    else:
+        row["note"] = "not measured"
+    rows.append(row)
     return rows
 
 
@@ -549,6 +577,6 @@ def print_summary(tables: dict[str, pd.DataFrame], seconds: float) -> None:
     if "generation" in tables:
         print(tables["generation"].to_string(index=False))
     if "targets" in tables:
-        print(tables["targets"].fillna("").to_string(index=False, max_colwidth=60))
+        print(tables["targets"].astype(object).fillna("").to_string(index=False, max_colwidth=60))
     f = tables.get("failures")
     print("failed stages: " + (", ".join(f["stage"]) if f is not None and len(f) else "none"))

@@ -20,6 +20,9 @@ def test_smoke_run_writes_the_fit_and_the_check(tmp_path):
     fit = pd.read_csv(tmp_path / "costmodel_cpu_fit.csv")
     check = pd.read_csv(tmp_path / "costmodel_cpu_check.csv")
     assert list(zip(fit["preset"], fit["batch_size"])) == cases == list(zip(check["preset"], check["batch_size"]))
+    assert (fit["round"] == 0).all() and (fit["matmul_gflops"] > 0).all()  # one round when smoke
+    assert (check["predicted_low_s"] <= check["predicted_step_s"]).all()
+    assert (check["predicted_step_s"] <= check["predicted_high_s"]).all()
     assert {"git_sha", "device", "date"} <= set(fit.columns) & set(check.columns)
     terms = ["matmul_s", "other_s", "optimizer_s", "overhead_s"]
     assert (fit[terms] >= 0).all().all() and (fit[["matmul_s", "other_s", "optimizer_s"]] > 0).all().all()
@@ -92,3 +95,16 @@ def test_memory_grows_with_the_batch_and_the_optimizers_state():
     small, large = (cm.training_memory(cfg, n, "sgd", chunk_len=128) for n in (1024, 8192))
     assert large > small > 12 * cm.num_params(cfg)
     assert cm.training_memory(cfg, 1024, "adamw", chunk_len=128) - small == pytest.approx(4 * cm.num_params(cfg))
+
+
+@pytest.mark.parametrize("name, key", [("NVIDIA H200", "H200"), ("NVIDIA H200 NVL", "H200 NVL"),
+                                       ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 NVL", "H100 NVL"),
+                                       ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA A100-SXM4-80GB", None)])
+def test_the_datasheet_of_a_device_by_its_name(name, key):
+    assert cm.datasheet(name) is (cm.DATASHEETS[key] if key else None)
+
+
+def test_the_host_cost_per_op_is_a_tiny_steps_time_over_its_ops(one_thread):
+    """Microseconds per op: more than an empty Python call, less than the tiny step's whole time."""
+    s = C.host_op_seconds("tiny", steps=2)
+    assert 1e-7 < s < 1e-3

@@ -41,6 +41,10 @@ def test_gpu_suite_dry_run(dry_run):
     assert resumed["passed"] and resumed["max_rel_diff"] == 0 and resumed["rows"] == 6, resumed.to_dict()  # a row per step
     train = pd.read_csv(tmp_path / "train_throughput.csv")
     assert (train["tok_s"] > 0).all() and (train["mfu"] > 0).all()
+    # each step predicted by the cost model (a CPU's measured ceilings stand for the datasheet)
+    assert (train["peaks"] == "measured").all() and (train["launches"] > 0).all() and (train["host_op_us"] > 0).all()
+    assert (train["predicted_step_s"] > 0).all()
+    assert (train["prediction_error"] - (train["predicted_step_s"] / train["step_s"] - 1)).abs().max() < 1e-12
     # the baselines: every implementation's output compared with the same truth; Liger runs in the
     # interpreter and agrees; fla's kernels do not run there (its error recorded, the target not measured).
     # The timings run in bf16, as on the GPU: agreement within bf16's rounding (measured: 2e-3 to 4e-3)
@@ -71,6 +75,8 @@ def test_gpu_suite_dry_run(dry_run):
     assert targets.loc["moe: >=5x vs per-expert loop", "met"].notna().all()  # measured (tiny sizes: any verdict)
     assert pd.notna(targets.loc["linear_attention: decode >= 10x the PyTorch path", "met"])
     assert targets.loc[["train 1b in bf16: >= 150,000 tok/s", "train 1b in bf16: >= 20% MFU"], "met"].isna().all()
+    model = targets.loc["cost model within ±30% of the measured training step times"]
+    assert pd.notna(model["met"]) and model["value"] == train["prediction_error"].abs().max()
     assert "time and memory <= Liger" in targets.index.str.removeprefix("cross_entropy: ")
     prov = json.loads((tmp_path / "provenance.json").read_text())
     assert prov["baselines"] == {"fla-core": "0.6.0", "liger-kernel": "0.8.5"}
@@ -254,7 +260,7 @@ def test_a_failing_training_configuration_does_not_lose_the_sweep(monkeypatch):
             raise RuntimeError("Triton Error [CUDA]: misaligned address")
         return real(preset, **kw)
     monkeypatch.setattr(gpu, "measure_training", flaky)
-    rows = list(gpu.train_rows(torch.device("cpu"), dry_run=True, peak_tflops=1.0))
+    rows = list(gpu.train_rows(torch.device("cpu"), dry_run=True, peaks={"bf16_tflops": 1.0, "hbm_gbs": 1.0, "peaks": "measured"}))
     assert [r["batch_size"] for r in rows] == [b for _, bs, _ in gpu.DRY_SWEEP for b in bs]
     assert rows[0]["error"].startswith("RuntimeError: Triton Error") and rows[1]["tok_s"] > 0
 
@@ -267,7 +273,7 @@ def test_the_training_sweep_measures_each_presets_own_model(monkeypatch):
     seen, sweep = [], gpu.TRAIN_SWEEP
     monkeypatch.setattr(gpu, "measure_training", lambda preset, **kw: seen.append((preset, kw)) or {"tok_s": 1.0})
     monkeypatch.setattr(gpu, "TRAIN_SWEEP", sweep[:1])
-    list(gpu.train_rows(torch.device("cpu"), dry_run=False, peak_tflops=1.0))
+    list(gpu.train_rows(torch.device("cpu"), dry_run=False, peaks={"bf16_tflops": 1.0, "hbm_gbs": 1.0, "peaks": "measured"}))
     (preset, batches, chunk), = sweep[:1]
     assert [kw["batch_size"] for _, kw in seen] == list(batches)
     for p, kw in seen:
