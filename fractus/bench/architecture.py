@@ -22,6 +22,7 @@ import pandas as pd
 
 from fractus.model import ORIGINAL, FractusConfig
 from fractus.records import append_csv
+from fractus.resume import default_lr
 
 STEP_TOKENS = 2048  # tokens per optimizer step, every variant (make demo's: 8 windows × 256 positions)
 LEVER_NAMES = {"attn_decay": "multi-scale decay", "attn_norm": "RMSNorm read-out (no denominator)",
@@ -46,6 +47,11 @@ class Variant:
     batch_size: int = 8  # windows or streams; accumulation: STEP_TOKENS / (batch_size · chunk_len)
     sampling: str | None = None  # the trainer's --sampling (None: its default, shuffled windows)
     warmup: int | None = None  # the trainer's --warmup, in optimizer steps (None: its default, 5 % of the run's)
+
+    @property
+    def lr(self) -> float:
+        """Its peak learning rate: the trainer's default, AdamW's tuned rate for its model family."""
+        return default_lr("adamw", self.model, self.preset)
 
     @property
     def changes_cli(self) -> str:
@@ -108,7 +114,7 @@ def train_variant(v: Variant, data, tokens: int, seed: int, threads: int = 1) ->
         last = train(v.argv(data, Path(out) / "run", tokens, seed, threads))
         wall = time.perf_counter() - t0
     return {"variant": v.name, "group": v.group, "model": v.model, "preset": v.preset,
-            "changes": v.changes_cli, "seed": seed, "tokens": last["tokens"],
+            "changes": v.changes_cli, "lr": v.lr, "seed": seed, "tokens": last["tokens"],
             "chunk_len": v.chunk_len, "batch_size": v.batch_size, "val_ce": last["val_ce"], "val_bpb": last["val_bpb"],
             "val_ppl": last["val_ppl"], "train_s": last["elapsed_s"], "tok_s": last["tokens"] / last["elapsed_s"],
             "wall_s": wall, "threads": threads}
@@ -131,9 +137,11 @@ def run(vs: list[Variant], data, tokens: int, seeds=(0, 1, 2), csv: Path | None 
     done = {}
     if csv is not None and Path(csv).exists():
         for r in pd.read_csv(csv, keep_default_na=False).to_dict("records"):
-            done[(r["variant"], r["model"], r["preset"], r["changes"], int(r["seed"]), int(r["tokens"]))] = r
+            if "lr" in r:  # a row from before the rates were recorded says nothing of its rate
+                done[(r["variant"], r["model"], r["preset"], r["changes"], float(r["lr"]), int(r["batch_size"]),
+                      int(r["chunk_len"]), int(r["seed"]), int(r["tokens"]))] = r
     for i, (v, seed) in enumerate(jobs):
-        key = (v.name, v.model, v.preset, v.changes_cli, seed, trained_tokens(tokens))
+        key = (v.name, v.model, v.preset, v.changes_cli, v.lr, v.batch_size, v.chunk_len, seed, trained_tokens(tokens))
         if key in done:
             rows[i] = done[key]
     if rows:
