@@ -69,7 +69,7 @@ gpu-wheels:
 
 notebooks: setup
 	for nb in notebooks/[0-9]*.ipynb; do \
-	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=7200 $$nb && \
+	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=-1 $$nb && \
 	  $(BIN)/nbstripout --keep-output --keep-count $$nb || exit 1; done
 
 clean:

@@ -30,6 +30,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         dtypes = {"float32"} if op == "kuramoto" else {"float32", "bfloat16", "float16"}  # the clock runs in fp32
         for name, g in got.groupby("kernel"):
             assert set(g["dtype"]) == dtypes, (op, name)
+    timed = rows[rows["op"] == "extra[timings]"]  # the GPU suite's timed launches, in bf16
+    assert set(timed["kernel"]) <= set().union(*map(aot.kernel_names, OPS))
+    assert {"_la_out_kernel", "_la_decode_kernel", "_lr_fwd_kernel", "_lce_fwd_kernel"} <= set(timed["kernel"])
     model = rows[rows["op"] == "model[palier0]"]  # a bf16 training step and a decode step
     clock = model["kernel"].str.startswith("_kuramoto")  # the clock runs in fp32 under autocast
     assert (model.loc[clock, "dtype"] == "float32").all() and (model.loc[~clock, "dtype"] == "bfloat16").all()
