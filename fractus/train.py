@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               f"SGD's {DEFAULT_LR['sgd']}, RMSprop's {DEFAULT_LR['rmsprop']})")
     a("--weight-decay", type=rate, default=0.1, help="weight decay of the matrices (the embedding included; not gains or biases)")
     a("--warmup", type=natural, default=None,
-      help=f"linear warm-up, in optimizer steps (default: {WARMUP_FRACTION:.0%} of the run's steps)")
+      help=f"linear warm-up, in optimizer steps (default: {WARMUP_FRACTION * 100:g} %% of the run's steps)")
     a("--min-lr-ratio", type=number(float, lambda x: 0 <= x <= 1, "≥ 0 and ≤ 1"), default=0.1,
       help="cosine decay floor, as a fraction of --lr")
     a("--grad-clip", type=non_negative, default=1.0, help="gradient norm clip (0 = none)")

@@ -226,3 +226,14 @@ def test_seeds_and_token_counts_that_cannot_make_a_run(corpus, run, tmp_path, ca
                                                                    "99999999999999", "--active-blocks", "1"))
     err = exits(capsys, main, [*cli(corpus, run, tokens=5 * 32), "--resume"])
     assert "makes 5 steps, but" in err and "is already at step 10" in err
+
+
+@pytest.mark.parametrize("command", ["fractus.train", "fractus.data prepare", "fractus.evaluate", "fractus.sample",
+                                     "fractus.merge", "fractus.records", "fractus.vision train", "fractus.bench gpu",
+                                     "fractus.bench.compare sweep", "fractus.bench.growth measure"])
+def test_every_command_prints_its_help(command):
+    """``--help`` prints the usage and exits 0: argparse formats each help text with %, so a bare
+    "5 % of" in one would be a traceback instead."""
+    r = subprocess.run([sys.executable, "-m", *command.split(), "--help"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage:") and not r.stderr, r.stderr[-2000:]
