@@ -39,7 +39,7 @@ class Variant:
     """One model to train: ``model`` "cte" (``preset`` with ``changes`` as --set overrides) or
     "transformer" (the Transformer++ of ``preset``'s width and depth, a context of ``chunk_len``)."""
     name: str
-    group: str  # "original", "lever", "recipe", "recipe −", "recipe +", "parts" or "baseline"
+    group: str  # "original", "lever", "recipe", "recipe −", "recipe +", "parts", "baseline" or "sampling"
     model: str = "cte"
     preset: str = "palier0"
     changes: tuple = field(default=())  # ((config field, value), …)

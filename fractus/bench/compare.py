@@ -6,19 +6,19 @@ windows of 256 positions, the trainer's default; scored with the state carried t
 contiguous streams), the original architecture (``original-palier0``, 32 contiguous streams of 64
 positions, the state carried) and the Transformer++ (:mod:`fractus.baseline`; 8 shuffled windows
 of 256, scored with sliding windows of 256 every 128, and also as the CTE's chunks without
-context). Five stages, each over the three models or the ones named (any of :data:`LEVERS` too):
+context). Five stages, each over the three models or the ones named (any of :data:`VARIANTS` too):
 
-- ``sweep``: each model at each of its rates (:data:`LRS`, spaced ×2; a lever at :data:`RATES`), one seed;
+- ``sweep``: each model at each of its rates (:data:`LRS`, spaced ×2; a variant at :data:`RATES`), one seed;
 - ``seeds``: each model at its best rate of the sweep from :data:`SEEDS`;
 - ``budget``: each model at its best rate at about 20 tokens per parameter (:data:`BUDGET_TOKENS`);
-- ``levers``: each of :data:`LEVERS` at one rate (``--lr``; the default CTE's best), one seed;
+- ``variants``: each of :data:`VARIANTS` at one rate (``--lr``; the default CTE's best), one seed;
 - ``timing``: training tokens/s, the models taking turns in one process (:func:`timing`).
 
 Each run trains in its own directory under ``runs`` and resumes there if it was stopped; each
 finished run appends its rows (one per evaluation reading: ``eval`` carried, sliding or chunks)
 to the results CSV with provenance, and a run whose rows are already there is not trained again.
 Runs go two at a time, one thread each, so that the models' times compare within a run.
-``python -m fractus.bench.compare sweep|seeds|budget|levers|timing --data DIR [--models NAME …]``.
+``python -m fractus.bench.compare sweep|seeds|budget|variants|timing --data DIR [--models NAME …]``.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 t
 # sampling of the corpus other than the default's 8 shuffled windows of 256 is named, and so is a
 # warm-up of 50 optimizer steps instead of the trainer's 5 % of the run's (73 at 3 M tokens).
 FIXED = ("decay_gate", False)
-LEVERS = {name: Variant(name, group, model=model, preset=preset, changes=changes, chunk_len=chunk,
+VARIANTS = {name: Variant(name, group, model=model, preset=preset, changes=changes, chunk_len=chunk,
                         batch_size=batch, sampling=sampling, warmup=warmup)
           for name, group, model, preset, changes, chunk, batch, sampling, warmup in (
               ("default − decay gate", "lever", "cte", "palier0", (FIXED,), 256, 8, "windows", None),
@@ -60,11 +60,11 @@ LEVERS = {name: Variant(name, group, model=model, preset=preset, changes=changes
                256, 8, "windows", 50),
               ("default − decay gate, window 128, warm-up 50", "lever", "cte", "palier0",
                (FIXED, ("attn_window", 128)), 256, 8, "windows", 50),
-              ("default − decay gate, 32 streams of 64, warm-up 50", "lever", "cte", "palier0", (FIXED,), 64, 32,
+              ("default − decay gate, 32 streams of 64, warm-up 50", "sampling", "cte", "palier0", (FIXED,), 64, 32,
                "streams", 50),
-              ("default − decay gate − window, 32 streams of 64, warm-up 50", "lever", "cte", "palier0",
+              ("default − decay gate − window, 32 streams of 64, warm-up 50", "sampling", "cte", "palier0",
                (FIXED, ("attn_window", 0)), 64, 32, "streams", 50),
-              ("default − decay gate − window, 8 streams of 256, warm-up 50", "lever", "cte", "palier0",
+              ("default − decay gate − window, 8 streams of 256, warm-up 50", "sampling", "cte", "palier0",
                (FIXED, ("attn_window", 0)), 256, 8, "streams", 50))}
 
 
@@ -164,7 +164,7 @@ def stage_jobs(stage: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=
                lr: float | None = None) -> list[tuple]:
     """The (model, lr, seed, tokens) runs of ``stage``; ``sweep`` runs each model at its rates
     (``lrs`` or :data:`LRS`, :data:`RATES` for a model not there), ``seeds`` and ``budget`` take each
-    model's best rate from the sweep's rows (``rows``), ``levers`` train each of :data:`LEVERS` at
+    model's best rate from the sweep's rows (``rows``), ``variants`` trains each of :data:`VARIANTS` at
     ``lr`` (default: the default CTE's best)."""
     if stage == "sweep":  # rates from the middle out, so that the first finished runs say the most
         rates = {m: (lrs or LRS).get(m, RATES) for m in models}
@@ -173,15 +173,15 @@ def stage_jobs(stage: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=
         return [j for _, j in sorted(jobs, key=lambda dj: dj[0])]
     if rows is None:
         raise ValueError(f"stage {stage} needs the sweep's rows: run the sweep first")
-    if stage == "levers":
+    if stage == "variants":
         lr = best_lr(rows[rows["stage"] == "sweep"], "default", demo_tokens) if lr is None else lr
-        return [(m, lr, seeds[0], demo_tokens) for m in LEVERS]
+        return [(m, lr, seeds[0], demo_tokens) for m in VARIANTS]
     best = {m: best_lr(rows[rows["stage"] == "sweep"], m, demo_tokens) for m in models}
     if stage == "seeds":
         return [(m, best[m], s, demo_tokens) for s in seeds for m in models]
     if stage == "budget":
         return [(m, best[m], seeds[0], budget_tokens) for m in models]
-    raise ValueError(f"unknown stage {stage!r}: sweep, seeds, budget or levers")
+    raise ValueError(f"unknown stage {stage!r}: sweep, seeds, budget or variants")
 
 
 def timing(names, data, steps: int = 60, rounds: int = 3, threads: int = 2, models: dict | None = None,
@@ -196,7 +196,7 @@ def timing(names, data, steps: int = 60, rounds: int = 3, threads: int = 2, mode
 
     from fractus.runs import read_metrics
     from fractus.train import train
-    models = {**MODELS, **LEVERS} if models is None else models
+    models = {**MODELS, **VARIANTS} if models is None else models
     before = torch.get_num_threads()
     rows = []
     try:
@@ -264,8 +264,8 @@ def plot_sweep(rows: pd.DataFrame, path, tokens: int = DEMO_TOKENS) -> Path:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.bench.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("sweep", "seeds", "budget", "levers", "timing"))
-    ap.add_argument("--lr", type=float, default=None, help="levers: the rate they train at (default: the default "
+    ap.add_argument("stage", choices=("sweep", "seeds", "budget", "variants", "timing"))
+    ap.add_argument("--lr", type=float, default=None, help="variants: the rate they train at (default: the default "
                                                               "CTE's best of the sweep)")
     ap.add_argument("--data", required=True, help="directory written by `python -m fractus.data prepare`")
     ap.add_argument("--csv", default="results/compare_cpu.csv")
@@ -274,21 +274,21 @@ def main(argv=None) -> None:
     ap.add_argument("--timing-csv", default="results/compare_timing_cpu.csv",
                     help="timing: the CSV its rows go to (replaced)")
     ap.add_argument("--models", nargs="*", default=None, help="the models of the stage, from the three and the "
-                                                               "levers (default: the three; timing: all)")
+                                                               "variants (default: the three; timing: all)")
     a = ap.parse_args(argv)
-    unknown = [m for m in a.models or () if m not in {**MODELS, **LEVERS}]
+    unknown = [m for m in a.models or () if m not in {**MODELS, **VARIANTS}]
     if unknown:
-        ap.error(f"unknown model(s) {unknown}; the models: {[*MODELS, *LEVERS]}")
+        ap.error(f"unknown model(s) {unknown}; the models: {[*MODELS, *VARIANTS]}")
 
     def body():
         if a.stage == "timing":
-            t = timing(a.models or [*MODELS, *LEVERS], a.data)
+            t = timing(a.models or [*MODELS, *VARIANTS], a.data)
             write_csv(a.timing_csv, t.to_dict("records"))
             print(t.groupby("model", sort=False)["tok_s"].median().to_string())
             return
         rows = pd.read_csv(a.csv) if Path(a.csv).exists() else None
         jobs = stage_jobs(a.stage, rows, lr=a.lr, **({"models": a.models} if a.models else {}))
-        rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.stage, a.workers, models={**MODELS, **LEVERS})
+        rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.stage, a.workers, models={**MODELS, **VARIANTS})
         print(summary(rows).to_string(float_format=lambda x: f"{x:.4g}"))
     run_command(body, interrupted="interrupted: finished runs are in the CSV; a stopped one resumes from its "
                                   "run directory")

@@ -31,8 +31,8 @@ def test_sweep_then_seeds_and_budget_at_each_model_s_best_rate():
     assert ("default", 3e-3, 2, C.DEMO_TOKENS) in seeds and len(seeds) == 3 * len(C.SEEDS)
     assert C.stage_jobs("budget", r) == [(m, lr, 0, C.BUDGET_TOKENS) for m, lr in
                                          (("default", 3e-3), ("transformer", 1.5e-3), ("original", 3e-3))]
-    assert C.stage_jobs("levers", r, lr=2e-3) == [(m, 2e-3, 0, C.DEMO_TOKENS) for m in C.LEVERS]
-    assert {j[1] for j in C.stage_jobs("levers", r)} == {3e-3}  # the default's best
+    assert C.stage_jobs("variants", r, lr=2e-3) == [(m, 2e-3, 0, C.DEMO_TOKENS) for m in C.VARIANTS]
+    assert {j[1] for j in C.stage_jobs("variants", r)} == {3e-3}  # the default's best
     t = C.summary(r)
     assert t.loc["default", "ce_vs_transformer"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="no original runs"):
@@ -76,5 +76,5 @@ def test_timing_takes_turns(tmp_path):
 
 def test_a_variant_s_warm_up_is_the_trainer_s_unless_it_names_its_steps():
     assert "--warmup" not in C.MODELS["transformer"].argv("d", "o", C.DEMO_TOKENS, 0, 1)  # the trainer's 5 %
-    argv = C.LEVERS["transformer, warm-up 50"].argv("d", "o", C.DEMO_TOKENS, 0, 1)
+    argv = C.VARIANTS["transformer, warm-up 50"].argv("d", "o", C.DEMO_TOKENS, 0, 1)
     assert argv[argv.index("--warmup") + 1] == "50"
