@@ -210,8 +210,8 @@ def measure_speeds(setups, rounds: int = 3, seed: int = 0, **kw) -> dict[Setup, 
 
 
 def rounds_rows(tok_s: dict[Setup, list[float]], names: dict[Setup, str]) -> list[dict]:
-    """The raw rounds as rows {name, round, tok_s} (for a CSV beside the table they make)."""
-    return [{"recipe": names[r], "round": i, "tok_s": t} for r, ts in tok_s.items() for i, t in enumerate(ts)]
+    """The raw rounds as rows {setup, round, tok_s} (for a CSV beside the table they make)."""
+    return [{"setup": names[r], "round": i, "tok_s": t} for r, ts in tok_s.items() for i, t in enumerate(ts)]
 
 
 AS_CLAIMED = "as claimed (within 1.25x either way)"

@@ -349,7 +349,7 @@ def test_speeds_are_interleaved_and_ratios_taken_round_by_round(monkeypatch):
     assert O.speedup(speeds, b, a) == pytest.approx({"median": 0.5, "low": 0.5, "high": 0.5})
     assert O.speedup(speeds, c, a)["median"] == pytest.approx(4.0)
     rows = O.rounds_rows(speeds, {a: "a", b: "b", c: "c"})
-    assert len(rows) == 12 and rows[1] == {"recipe": "a", "round": 1, "tok_s": 50.0}
+    assert len(rows) == 12 and rows[1] == {"setup": "a", "round": 1, "tok_s": 50.0}
 
 
 def test_clock_launch_counts_per_path():
