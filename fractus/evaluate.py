@@ -19,6 +19,7 @@ import torch
 
 from fractus.checkpoint import CheckpointError
 from fractus.cli import device_name, positive_int, run_command
+from fractus.baseline import Transformer
 from fractus.data import load_meta, load_tokens
 from fractus.kernels.backend import BACKENDS
 from fractus.records import append_csv, csv_rows, provenance
@@ -26,14 +27,17 @@ from fractus.registry import load_model
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import evaluate_text
 
-COLUMNS = ("checkpoint", "data", "split", "streams", "chunk_len", "tokens", "ce", "bpb", "ppl")
+# eval: how the split was read, "carried" (a CTE's streams) or "sliding" (the Transformer++'s windows)
+COLUMNS = ("checkpoint", "data", "split", "eval", "streams", "chunk_len", "tokens", "ce", "bpb", "ppl")
 
 
 def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "val", streams: int = 8,
                         chunk_len: int = 256, max_tokens: int | None = None, device: str = "cpu",
                         backend: str = "auto") -> dict:
-    """{val_ce, val_bpb, val_ppl, val_tokens} of the checkpoint's model on ``split`` of ``data``
-    (kernels: ``backend``, whatever the checkpoint was trained with); ValueError if the CE is not finite."""
+    """{val_ce, val_bpb, val_ppl, val_tokens, val_read} of the checkpoint's model on ``split`` of ``data``
+    (kernels: ``backend``, whatever the checkpoint was trained with), read as
+    :func:`fractus.train.evaluate_text` reads it: ``val_read`` "carried" for a CTE, "sliding" for the
+    Transformer++. ValueError if the CE is not finite."""
     meta = load_meta(data)
     model = load_model(ckpt, backend=backend).to(device)
     if model.cfg.vocab_size != meta["vocab_size"]:
@@ -41,11 +45,12 @@ def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "val", 
                               f"{meta['vocab_size']}")
     tokens = load_tokens(data, split, meta)
     token_bytes = token_byte_lengths(get_tokenizer(meta["vocab_size"]))
-    r = evaluate_text(model, tokens, streams, chunk_len, max_tokens, token_bytes, torch.device(device))
+    read = "sliding" if isinstance(model, Transformer) else "carried"
+    r = evaluate_text(model, tokens, streams, chunk_len, max_tokens, token_bytes, torch.device(device), read=read)
     if not math.isfinite(r["val_ce"]):
         raise ValueError(f"{ckpt} gives a non-finite CE ({r['val_ce']}) on the {split} split of {data}: "
                          "its weights hold NaN or inf, or its activations overflow")
-    return r
+    return {**r, "val_read": read}
 
 
 def main(argv=None) -> None:
@@ -69,11 +74,13 @@ def main(argv=None) -> None:
         if a.csv:  # a file that cannot take the row is refused before the evaluation
             csv_rows(a.csv, [*COLUMNS, *provenance(a.device)])
         r = evaluate_checkpoint(a.ckpt, a.data, a.split, a.streams, a.chunk_len, a.tokens, a.device, a.backend)
-        print(f"{a.ckpt} on {a.split} ({r['val_tokens']:,} tokens, {a.streams} streams): CE {r['val_ce']:.4f} "
+        how = (f"{a.streams} streams, state carried" if r["val_read"] == "carried" else
+               f"sliding windows, {a.streams} at a time")
+        print(f"{a.ckpt} on {a.split} ({r['val_tokens']:,} tokens, {how}): CE {r['val_ce']:.4f} "
               f"nats/token, {r['val_bpb']:.4f} bits/byte, perplexity {r['val_ppl']:.1f}")
         if a.csv:
-            append_csv(a.csv, dict(zip(COLUMNS, (a.ckpt, a.data, a.split, a.streams, a.chunk_len, r["val_tokens"],
-                                                 r["val_ce"], r["val_bpb"], r["val_ppl"]))), a.device)
+            append_csv(a.csv, dict(zip(COLUMNS, (a.ckpt, a.data, a.split, r["val_read"], a.streams, a.chunk_len,
+                                                 r["val_tokens"], r["val_ce"], r["val_bpb"], r["val_ppl"]))), a.device)
     run_command(body)
 
 

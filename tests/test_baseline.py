@@ -73,6 +73,7 @@ def test_trainer_resume_evaluate_and_sample(data, tmp_path, capsys):
     assert isinstance(model, Transformer) and model.cfg.context == 16
     r = evaluate_checkpoint(full / "ckpt.pt", data, streams=2, chunk_len=16)
     assert abs(r["val_ce"] - float(metrics(full)[-1]["val_ce"])) < 1e-4  # the trainer's final validation
+    assert r["val_read"] == "sliding"
     assert len(model.generate([1, 2, 3], 4, seed=0)) == 4
     capsys.readouterr()
     for extra, msg in ((["--detach-kuramoto"], "--model transformer has no --detach-kuramoto"),

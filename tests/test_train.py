@@ -828,7 +828,8 @@ def test_evaluate_cli_equals_the_trainers_validation(data, tmp_path, capsys):
     assert "nats/token" in capsys.readouterr().out
     with open(table, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 and all(r["git_sha"] and r["date"] and r["split"] == "val" for r in rows)
+    assert len(rows) == 2 and all(r["git_sha"] and r["date"] and r["split"] == "val" and r["eval"] == "carried"
+                                  for r in rows)
     assert float(rows[0]["ce"]) == pytest.approx(float(final["val_ce"]), rel=1e-6)
     assert float(rows[0]["bpb"]) == pytest.approx(float(final["val_bpb"]), rel=1e-6)
     assert rows[0]["ce"] == rows[1]["ce"] and float(rows[0]["ppl"]) == pytest.approx(math.exp(float(rows[0]["ce"])))
