@@ -191,11 +191,12 @@ def _grow_attention(a, b, src: FractusConfig, cfg: FractusConfig, c: float) -> N
             a.conv.weight[:, p * d2:p * d2 + d].copy_(b.conv.weight[:, p * d:(p + 1) * d])
     if a.rms_scale is not None:
         a.rms_scale[:src.n_heads].copy_(b.rms_scale)
-    if a.decay_proj is not None:  # rows level-major (l·H + h): old heads' rows, old columns
-        H, H2 = src.n_heads, cfg.n_heads
-        for lv in range(src.n_levels):
-            a.decay_proj.weight[lv * H2:lv * H2 + H, :d].copy_(b.decay_proj.weight[lv * H:(lv + 1) * H])
-            a.decay_proj.bias[lv * H2:lv * H2 + H].copy_(b.decay_proj.bias[lv * H:(lv + 1) * H])
+    H, H2 = src.n_heads, cfg.n_heads
+    for new, old in ((a.decay_proj, b.decay_proj), (a.beta_proj, b.beta_proj)):
+        if new is not None:  # rows level-major (l·H + h): old heads' rows, old columns
+            for lv in range(src.n_levels):
+                new.weight[lv * H2:lv * H2 + H, :d].copy_(old.weight[lv * H:(lv + 1) * H])
+                new.bias[lv * H2:lv * H2 + H].copy_(old.bias[lv * H:(lv + 1) * H])
     a.out.weight.copy_(_writer(_padded(b.out.weight, (d, d2)), 0, d2, c))
     a.out.bias.copy_(_writer(b.out.bias, 0, d2, c))
     a.level_logits.copy_(b.level_logits)

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from fractus.kernels.backend import BACKENDS, first_order_only
 from fractus.kernels.cross_entropy import linear_cross_entropy
+from fractus.kernels.delta_rule import delta_rule
 from fractus.kernels.kuramoto import kuramoto_phase
 from fractus.kernels.linear_attention import linear_attention
 from fractus.kernels.moe import moe
@@ -51,6 +52,7 @@ class FractusConfig:
     attn_decay: float | tuple[float, ...] | str = "multiscale"  # γ: one for all, per head, per (level, head), "multiscale"
     decay_gate: bool = True  # data-dependent decay: γ_t = γ^softplus(LN(h_t)·a + c) per (level, head)
     attn_norm: str = "denominator"  # "denominator" (f(q)ᵀz) or "rms" (per-head RMSNorm of the numerator)
+    attn_update: str = "add"  # "add" (S += f(k)vᵀ) or "delta" (the gated delta rule, read with attn_norm "rms")
     attn_gate: bool = True  # swish output gate: o ← o ⊙ silu(LN(h)·W_g)
     short_conv: int = 4  # width of a causal depthwise convolution on q, k, v (0: none)
     qk_norm: bool = False  # RMS-normalise q and k per head before the feature map
@@ -87,6 +89,8 @@ class FractusConfig:
             if len(self.attn_decay) not in (self.n_heads, self.n_levels * self.n_heads):
                 raise ValueError(f"attn_decay has {len(self.attn_decay)} values: give one per head ({self.n_heads}) "
                                  f"or one per (level, head) ({self.n_levels * self.n_heads}, level-major)")
+        if self.attn_update == "delta" and self.attn_norm != "rms":
+            raise ValueError("attn_update 'delta' keeps no denominator: it needs attn_norm 'rms'")
         if self.short_conv == 1:
             raise ValueError("short_conv must be 0 (none) or a width ≥ 2, got 1")
         if self.attn_window == 1:
@@ -186,7 +190,7 @@ _FIELD_CHECKS = {  # field → (what it must be, check)
     "n_levels": _int_min(1),
     "attn_decay": ("a number in (0, 1], a list of one per head or per (level, head), or 'multiscale'",
                    lambda v: _decay(v) or v == "multiscale" or isinstance(v, (list, tuple)) and all(map(_decay, v))),
-    "attn_norm": _one_of("denominator", "rms"), "decay_gate": _BOOL, "attn_gate": _BOOL,
+    "attn_norm": _one_of("denominator", "rms"), "attn_update": _one_of("add", "delta"), "decay_gate": _BOOL, "attn_gate": _BOOL,
     "short_conv": _int_min(0), "qk_norm": _BOOL,
     "eot_reset": _BOOL, "attn_window": _int_min(0),
     "shared_expert": _int_min(0), "expert_init_std": _POSITIVE,
@@ -202,7 +206,8 @@ _FIELD_CHECKS = {  # field → (what it must be, check)
 # The levers as the original architecture has them: one state with no decay (γ = 1), read through
 # the z-denominator, no output norm or gate, no convolution, no shared expert, a state that runs
 # across documents. Presets "original-<name>" are these at <name>'s dimensions.
-ORIGINAL = dict(attn_decay=1.0, decay_gate=False, attn_norm="denominator", attn_gate=False, short_conv=0,
+ORIGINAL = dict(attn_decay=1.0, decay_gate=False, attn_norm="denominator", attn_update="add", attn_gate=False,
+                short_conv=0,
                 qk_norm=False, attn_window=0, eot_reset=False, shared_expert=0, expert_init_std=0.02)
 # The default: the levers the ablation keeps (notebooks/06_architecture.ipynb), the window level and
 # the decay gate, the best measured against the Transformer++ (results/compare_cpu.csv).
@@ -394,7 +399,9 @@ class LinearAttention(nn.Module):
     (inclusive of t; with ``decay_gate`` the decay is the token's own, γ_{t,l,h} = γ_{l,h}^Δ,
     Δ = softplus(LN(h_t)·a_{l,h} + c_{l,h}), a = 0 and Δ = 1 at initialisation);
     y_l = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + ε) with ``attn_norm="denominator"``,
-    y_l = f_l(q_t)ᵀ S_t with "rms"; o = Σ_l softmax(level_logits)_l·y_l, then for "rms" a per-head
+    y_l = f_l(q_t)ᵀ S_t with "rms"; with ``attn_update="delta"`` the state follows the gated delta
+    rule instead (β = σ(LN(h)·W_β + b_β) per (level, head), :mod:`fractus.kernels.delta_rule`) and
+    z stays 0; o = Σ_l softmax(level_logits)_l·y_l, then for "rms" a per-head
     RMSNorm over D, for ``attn_gate`` ⊙ silu(LN(h)·W_g), then W_o, b_o. With ``attn_window`` = W,
     one more level reads the same q, k, v by softmax attention over the last W positions
     (:func:`window_attention`), its weight the softmax of ``window_logit`` beside ``level_logits``.
@@ -414,6 +421,11 @@ class LinearAttention(nn.Module):
             self.decay_proj = nn.Linear(d, Lv * H)
             nn.init.zeros_(self.decay_proj.weight)
             nn.init.constant_(self.decay_proj.bias, math.log(math.e - 1))
+        self.beta_proj = None
+        if cfg.attn_update == "delta":  # write strengths β = σ(LN(h)·W_β + b_β), ½ at initialisation
+            self.beta_proj = nn.Linear(d, Lv * H)
+            nn.init.zeros_(self.beta_proj.weight)
+            nn.init.zeros_(self.beta_proj.bias)
         self.out = nn.Linear(d, d)
         self.level_logits = nn.Parameter(torch.zeros(Lv))
         self.window_logit = nn.Parameter(torch.zeros(1)) if cfg.attn_window else None
@@ -450,9 +462,15 @@ class LinearAttention(nn.Module):
             decay = torch.exp(delta * torch.log(self.decay.expand(self.cfg.n_levels, H)))
         logits = self.level_logits if self.window_logit is None else torch.cat([self.level_logits, self.window_logit])
         weights = logits.softmax(0)
-        o, new_state = linear_attention(q, k, v, weights[:self.cfg.n_levels], self.omegas,
-                                        decay=decay, state=attn_state, eps=self.cfg.eps,
-                                        backend=self.cfg.backend, normalize=self.rms_scale is None, resets=resets)
+        if self.beta_proj is None:
+            o, new_state = linear_attention(q, k, v, weights[:self.cfg.n_levels], self.omegas,
+                                            decay=decay, state=attn_state, eps=self.cfg.eps,
+                                            backend=self.cfg.backend, normalize=self.rms_scale is None, resets=resets)
+        else:  # z stays zero: the state keeps its form
+            beta = torch.sigmoid(self.beta_proj(x).float()).view(B, T, self.cfg.n_levels, H)
+            o, S = delta_rule(q, k, v, weights[:self.cfg.n_levels], self.omegas, beta, decay=decay,
+                              state=None if attn_state is None else attn_state[0], resets=resets)
+            new_state = (S, torch.zeros(S.shape[:-1], dtype=S.dtype, device=S.device))
         if self.window_logit is not None:
             y, window_state = window_attention(q, k, v, None if state is None else state[-3:], self.cfg.attn_window,
                                                resets)

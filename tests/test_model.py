@@ -31,13 +31,15 @@ def random_configs(n=8):
             router=rng.choice(["phase", "linear"]), detach_kuramoto=rng.choice([True, False]))
         window = rng.choice([0, 5])
         gated = rng.choice([True, False])
-        yield dataclasses.replace(cfg, attn_window=window, decay_gate=gated)
+        delta = cfg.attn_norm == "rms" and cfg.attn_gate  # the delta rule reads its state through the RMSNorm
+        yield dataclasses.replace(cfg, attn_window=window, decay_gate=gated, attn_update="delta" if delta else "add")
 
 
 def config_id(c: FractusConfig) -> str:
     return (f"L{c.n_levels}H{c.n_heads}r{c.expert_rank}{c.router}-{c.attn_norm}-conv{c.short_conv}"
             f"{'-gate' if c.attn_gate else ''}{'-qkn' if c.qk_norm else ''}{'-eot' if c.eot_reset else ''}"
-            f"{f'-win{c.attn_window}' if c.attn_window else ''}{'-dgate' if c.decay_gate else ''}")
+            f"{f'-win{c.attn_window}' if c.attn_window else ''}{'-dgate' if c.decay_gate else ''}"
+            f"{'-delta' if c.attn_update == 'delta' else ''}")
 
 
 @pytest.mark.parametrize("cfg", list(random_configs()), ids=config_id)
@@ -47,8 +49,9 @@ def test_decode_equals_chunked_forward(cfg):
     gate's weights are drawn at random, so that each token's decay is its own."""
     model = FractusCTE(cfg).eval()
     for block in model.blocks:
-        if block.attn.decay_proj is not None:
-            torch.nn.init.normal_(block.attn.decay_proj.weight, std=1.0)
+        for proj in (block.attn.decay_proj, block.attn.beta_proj):
+            if proj is not None:
+                torch.nn.init.normal_(proj.weight, std=1.0)
     x = torch.randint(0, cfg.vocab_size, (2, 37))
     x[0, [3, 19, 20]] = x[1, 30] = cfg.vocab_size - 1
     with torch.no_grad():

@@ -44,7 +44,8 @@ MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 t
 # Variants of the three models tried beside them, each named by what it changes: "− decay gate"
 # fixes each (level, head)'s decay (FractusConfig.decay_gate off), "− window" turns the softmax
 # window level off, "window 128" doubles its width, "+ shared expert 128" adds a dense expert of
-# d_ff 128 beside the routed ones (the model stays below the Transformer++'s parameters); a
+# d_ff 128 beside the routed ones (the model stays below the Transformer++'s parameters), "+ delta
+# rule" writes the linear levels' state by the gated delta rule (with the RMS read-out it needs); a
 # sampling of the corpus other than the default's 8 shuffled windows of 256 is named, and so is a
 # warm-up of 50 optimizer steps instead of the trainer's 5 % of the run's (73 at 3 M tokens).
 FIXED = ("decay_gate", False)
@@ -54,6 +55,8 @@ VARIANTS = {name: Variant(name, group, model=model, preset=preset, changes=chang
               ("default − decay gate", "lever", "cte", "palier0", (FIXED,), 256, 8, "windows", None),
               ("default + shared expert 128", "lever", "cte", "palier0", (("shared_expert", 128),), 256, 8, "windows",
                None),
+              ("default + delta rule", "lever", "cte", "palier0", (("attn_update", "delta"), ("attn_norm", "rms")), 256,
+               8, "windows", None),
               ("default − decay gate, warm-up 50", "recipe", "cte", "palier0", (FIXED,), 256, 8, "windows", 50),
               ("transformer, warm-up 50", "baseline", "transformer", "palier0", (), 256, 8, "windows", 50),
               ("default − decay gate − window, warm-up 50", "lever", "cte", "palier0", (FIXED, ("attn_window", 0)),

@@ -160,6 +160,7 @@ RECALL_MODELS = (
     RecallModel("default − window", changes=(("attn_window", 0),)),
     RecallModel("default − decay gate", changes=(("decay_gate", False),)),
     RecallModel("default, no decay", changes=(("attn_decay", 1.0),)),
+    RecallModel("default + delta rule", changes=(("attn_update", "delta"), ("attn_norm", "rms"))),
 )
 RECALL_BY_NAME = {m.name: m for m in RECALL_MODELS}
 
