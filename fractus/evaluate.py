@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from fractus.baseline import Transformer
 from fractus.checkpoint import CheckpointError
 from fractus.cli import device_name, positive_int, run_command
-from fractus.baseline import Transformer
 from fractus.data import load_meta, load_tokens
 from fractus.kernels.backend import BACKENDS
 from fractus.records import append_csv, csv_rows, provenance

@@ -50,8 +50,8 @@ MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 t
 # warm-up of 50 optimizer steps instead of the trainer's 5 % of the run's (73 at 3 M tokens).
 FIXED = ("decay_gate", False)
 VARIANTS = {name: Variant(name, group, model=model, preset=preset, changes=changes, chunk_len=chunk,
-                        batch_size=batch, sampling=sampling, warmup=warmup)
-          for name, group, model, preset, changes, chunk, batch, sampling, warmup in (
+                          batch_size=batch, sampling=sampling, warmup=warmup)
+            for name, group, model, preset, changes, chunk, batch, sampling, warmup in (
               ("default − decay gate", "lever", "cte", "palier0", (FIXED,), 256, 8, "windows", None),
               ("default + shared expert 128", "lever", "cte", "palier0", (("shared_expert", 128),), 256, 8, "windows",
                None),

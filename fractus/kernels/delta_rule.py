@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fractus.kernels.linear_attention import _level_decays
+
 __all__ = ["delta_rule"]
 
 
@@ -43,12 +45,7 @@ def delta_rule(q, k, v, level_weights, omegas, beta, decay=None, state=None, res
         raise ValueError(f"beta must be [B, T, Lv, H] = {[B, T, Lv, H]}, got {list(beta.shape)}")
     dt = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf, bf = q.to(dt), k.to(dt), v.to(dt), beta.to(dt)
-    if decay is None:
-        gam = torch.ones(1, 1, Lv, H, dtype=dt, device=q.device)
-    elif decay.dim() <= 2:
-        gam = decay.to(dt).expand(Lv, H).view(1, 1, Lv, H)
-    else:
-        gam = decay.to(dt).view(B, T, -1, H).expand(B, T, Lv, H)
+    gam = _level_decays(decay, B, T, Lv, H, dt, q.device)  # [B or 1, T or 1, Lv, H], as the linear attention's
     S = torch.zeros(B, Lv, H, D, D, dtype=dt, device=q.device) if state is None else state.to(dt)
     outs = []
     for t in range(T):
