@@ -469,7 +469,8 @@ class LinearAttention(nn.Module):
         else:  # z stays zero: the state keeps its form
             beta = torch.sigmoid(self.beta_proj(x).float()).view(B, T, self.cfg.n_levels, H)
             o, S = delta_rule(q, k, v, weights[:self.cfg.n_levels], self.omegas, beta, decay=decay,
-                              state=None if attn_state is None else attn_state[0], resets=resets)
+                              state=None if attn_state is None else attn_state[0], resets=resets,
+                              backend=self.cfg.backend)
             new_state = (S, torch.zeros(S.shape[:-1], dtype=S.dtype, device=S.device))
         if self.window_logit is not None:
             y, window_state = window_attention(q, k, v, None if state is None else state[-3:], self.cfg.attn_window,
