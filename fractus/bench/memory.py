@@ -161,6 +161,8 @@ RECALL_MODELS = (
     RecallModel("default − decay gate", changes=(("decay_gate", False),)),
     RecallModel("default, no decay", changes=(("attn_decay", 1.0),)),
     RecallModel("default + delta rule", changes=(("attn_update", "delta"), ("attn_norm", "rms"))),
+    RecallModel("default, one level", changes=(("n_levels", 1),)),
+    RecallModel("default, linear router", changes=(("router", "linear"),)),
 )
 RECALL_BY_NAME = {m.name: m for m in RECALL_MODELS}
 

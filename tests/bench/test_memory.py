@@ -83,3 +83,19 @@ def test_the_recall_grid_keeps_finished_runs(tmp_path):
     assert list(rows["trained_on"]) == [True, False] * 2  # a row per test setting, in the mix or not
     again = M.run_recall(jobs, csv, workers=1, log=log.append, **kw)
     assert len(again) == 4 and log[-1] == f"2 of 2 recall runs kept from {csv}"
+
+
+@pytest.mark.parametrize("recall_model", M.RECALL_MODELS, ids=lambda m: m.name)
+def test_every_recall_model_is_what_its_name_says(recall_model):
+    """Each model of the grid builds at a small width with its changes applied and reads a batch."""
+    model = recall_model.build(32, 1, 64, 24)
+    changes = dict(recall_model.changes)
+    if recall_model.kind == "transformer":
+        assert isinstance(model, Transformer) and model.cfg.short_conv == changes.get("short_conv", 0)
+    else:
+        base = FractusConfig.preset(recall_model.preset, vocab_size=64)
+        assert all(getattr(model.cfg, k) == v for k, v in changes.items())
+        assert all(getattr(model.cfg, k) == getattr(base, k) for k in ("decay_gate", "short_conv", "attn_norm",
+                   "attn_window", "n_levels", "router", "attn_update") if k not in changes)
+    x, _ = M.mqar(2, 24, 4, 64, seed=0)
+    assert model(x)[0].shape == (2, 24, 64)
