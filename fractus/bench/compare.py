@@ -45,7 +45,8 @@ MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 t
 # fixes each (level, head)'s decay (FractusConfig.decay_gate off), "− window" turns the softmax
 # window level off, "window 128" doubles its width, "+ shared expert 128" adds a dense expert of
 # d_ff 128 beside the routed ones (the model stays below the Transformer++'s parameters), "+ delta
-# rule" writes the linear levels' state by the gated delta rule (with the RMS read-out it needs); a
+# rule" writes the linear levels' state by the gated delta rule (with the RMS read-out it needs), ", one
+# level" keeps one linear level instead of two (beside the window level); a
 # sampling of the corpus other than the default's 8 shuffled windows of 256 is named, and so is a
 # warm-up of 50 optimizer steps instead of the trainer's 5 % of the run's (73 at 3 M tokens).
 FIXED = ("decay_gate", False)
@@ -57,6 +58,7 @@ VARIANTS = {name: Variant(name, group, model=model, preset=preset, changes=chang
                None),
               ("default + delta rule", "lever", "cte", "palier0", (("attn_update", "delta"), ("attn_norm", "rms")), 256,
                8, "windows", None),
+              ("default, one level", "lever", "cte", "palier0", (("n_levels", 1),), 256, 8, "windows", None),
               ("default − decay gate, warm-up 50", "recipe", "cte", "palier0", (FIXED,), 256, 8, "windows", 50),
               ("transformer, warm-up 50", "baseline", "transformer", "palier0", (), 256, 8, "windows", 50),
               ("default − decay gate − window, warm-up 50", "lever", "cte", "palier0", (FIXED, ("attn_window", 0)),
@@ -78,8 +80,9 @@ def headline_reading(model: str) -> str:
 
 RATES = (3.75e-4, 7.5e-4, 1.5e-3, 3e-3, 6e-3)  # AdamW peak rates, ×2 apart
 # each model's sweep: RATES, one step higher for the default CTE (its best, 6e-3, would be RATES' edge);
-# the delta rule's: four rates around the default's best
-LRS = {m: RATES for m in MODELS} | {"default": (*RATES[1:], 1.2e-2), "default + delta rule": (*RATES[2:], 1.2e-2)}
+# the delta rule's: four rates around the default's best; one level's: the default's best and its neighbours
+LRS = {m: RATES for m in MODELS} | {"default": (*RATES[1:], 1.2e-2), "default + delta rule": (*RATES[2:], 1.2e-2),
+                                    "default, one level": (3e-3, 6e-3, 1.2e-2)}
 DEMO_TOKENS = 3_000_000  # make demo's budget
 BUDGET_TOKENS = 27_000_000  # about 20 tokens per parameter at palier0 (1.35–1.44 M parameters)
 SEEDS = (0, 1, 2)
