@@ -233,15 +233,15 @@ PRESETS = {**{name: {**_dims(*dims), **RECIPE} for name, dims in DIMS.items()},
            **{f"original-{name}": {**_dims(*dims), **ORIGINAL} for name, dims in DIMS.items()}}
 
 
-MULTISCALE = (4.0, 2.0, 12.0)  # log2 of 1 − γ: first, step, last (see multiscale_decays)
+MULTISCALE = (4.0, 2.0, 12.0)  # −log2(1 − γ): first, step, cap (see multiscale_decays)
 
 
 def multiscale_decays(n_heads: int, n_levels: int) -> tuple[float, ...]:
-    """γ per (level, head), level-major [Lv·H]: 1 − 2^−min(a + s·i, c) with i = h·Lv + l, (a, s, c) =
-    MULTISCALE, so the memory 1/(1 − γ) of the (level, head) pairs runs from 2^a tokens up by factors
-    of 2^s to at most 2^c. Indexed head-major, so adding heads keeps every existing head's values."""
-    a, s, c = MULTISCALE
-    return tuple(1 - 2 ** -min(a + s * (h * n_levels + l), c) for l in range(n_levels) for h in range(n_heads))
+    """γ per (level, head), level-major [Lv·H]: 1 − 2^−min(m₀ + s·i, m_max) with i = h·Lv + l,
+    (m₀, s, m_max) = MULTISCALE, so the memory 1/(1 − γ) of the (level, head) pairs runs from 2^m₀
+    tokens up by factors of 2^s to at most 2^m_max. Indexed head-major, so adding heads keeps every existing head's values."""
+    m0, s, m_max = MULTISCALE
+    return tuple(1 - 2 ** -min(m0 + s * (h * n_levels + l), m_max) for l in range(n_levels) for h in range(n_heads))
 
 
 def level_omegas(n_levels: int) -> list[float]:
