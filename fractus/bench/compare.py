@@ -39,7 +39,7 @@ MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 t
     "transformer": Variant("transformer", "baseline", model="transformer", preset="palier0", chunk_len=256,
                            batch_size=8, sampling="windows"),
     "original": Variant("original", "original", preset="original-palier0", chunk_len=64, batch_size=32,
-                        sampling="streams", warmup=50),  # the original's recipe: 32 streams of 64, 50 warm-up steps
+                        sampling="streams", warmup=50),  # the original's setting: 32 streams of 64, 50 warm-up steps
 }
 # Variants of the three models tried beside them, each named by what it changes: "− decay gate"
 # fixes each (level, head)'s decay (FractusConfig.decay_gate off), "− window" turns the softmax

@@ -149,6 +149,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", default="runs/growth", help="the runs' directories (kept for resuming)")
     ap.add_argument("--lr", type=float, default=None, help="measure: the peak rate (default: the sweep's best)")
     ap.add_argument("--eval-every", type=int, default=250, help="optimizer steps between validations")
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                    help="measure: the seeds (default: %(default)s; one process per seed runs them side by side)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
 
@@ -160,7 +162,7 @@ def main(argv=None) -> None:
             return
         lr = a.lr if a.lr is not None else best_lr(pd.read_csv(a.csv) if Path(a.csv).exists() else pd.DataFrame(
             columns=COLUMNS))
-        jobs = [(p, PATHS[p], lr, s) for s in SEEDS for p in PATHS]
+        jobs = [(p, PATHS[p], lr, s) for s in a.seeds for p in PATHS]
         rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.eval_every, a.threads)
         print(saving(rows[rows["lr"] == lr]).to_string(float_format=lambda x: f"{x:.4g}"))
     run_command(body, interrupted="interrupted: finished runs are in the CSV; a stopped one resumes from its "

@@ -40,7 +40,7 @@ from fractus.tokenizer import get_tokenizer, token_byte_lengths
 from fractus.train import evaluate_text, lr_lambda, make_optimizer, micro_steps, set_active_blocks
 
 TABLE_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}  # the rates the optimization table is measured at
-REFERENCE_TOKENS_PER_STEP = 2048  # the trainer's defaults: 8 streams × 32 positions × accumulation 8
+REFERENCE_TOKENS_PER_STEP = 2048  # the trainer's default step: 8 windows × 256 positions
 # Model dimensions that FRACTUS_SMOKE runs use instead of a preset's: the 'tiny' preset's widths.
 SMOKE_DIMS = {k: PRESETS["tiny"][k] for k in ("d_model", "n_heads", "expert_d_ff", "expert_rank",
                                               "n_oscillators", "coupling_rank")}
