@@ -26,7 +26,7 @@ from fractus.model import FractusCTE
 from fractus.registry import load_model
 from fractus.tokenizer import get_tokenizer
 
-# The original's prompts; by default sampling (and the trainer, at the end of a run) takes the
+# The prompts of TRAINING_LOG_1B.md; by default sampling (and the trainer, at the end of a run) takes the
 # first, the second and the last; the generation probes take all five.
 ORIGINAL_PROMPTS = ("The meaning of life is", "Hello, my name is", "In mathematics, a continuous system",
                     "Fractus thinks", "Once upon a time")

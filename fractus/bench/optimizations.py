@@ -1,4 +1,4 @@
-"""The original analysis's training optimizations, measured: speed, peak memory and learning.
+"""TRAINING_OPTIMIZATION.md's training optimizations, measured: speed, peak memory and learning.
 
 A :class:`Setup` is one training configuration (model switches + trainer switches). For each
 setup this module measures
@@ -13,7 +13,7 @@ setup this module measures
   from several seeds (:func:`train_many`); an optimization's cost is the per-seed difference
   with and without it (:func:`quality_cost`).
 
-:data:`OPTIMIZATIONS` lists the optimizations in the original's cumulative order with its claims
+:data:`OPTIMIZATIONS` lists the optimizations in TRAINING_OPTIMIZATION.md's cumulative order with its claims
 as data; :func:`stack` builds the cumulative setups. The notebook ``02_optimization_table`` drives it.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def shakespeare(vocab_size: int) -> Path:
 
 @dataclass(frozen=True)
 class Setup:
-    """One training configuration. Defaults: our reading of the original's unoptimised baseline, on
+    """One training configuration. Defaults: our reading of TRAINING_OPTIMIZATION.md's unoptimised baseline, on
     the original architecture. TRAINING_OPTIMIZATION.md states chunk 16, accumulation 1, AdamW, B=1 (4 tok/s); the
     untied head supervised on every position, every expert computed, the trained clock, vocabulary
     50257 and the unfused cross-entropy are assumed."""
@@ -113,7 +113,7 @@ class Setup:
                     fused_ce=cfg.fused_ce, detach_kuramoto=cfg.detach_kuramoto, top_k=cfg.top_k)
 
 
-# (name, setup change, the original's claim as written, its claimed whole-step gain or None,
+# (name, setup change, the document's claim as written, its claimed whole-step gain or None,
 #  how many consecutive optimizations ending here that gain covers). The last three (EXPECTED) are
 #  its "remaining optimizations", with expected gains; fused cross-entropy's ~1.2x names no part of
 #  the step, and is read as the whole step's.
@@ -133,14 +133,14 @@ OPTIMIZATIONS = [
      "~2x on backward (4 of 16 blocks; in its fractus1B code)", None, 1),
 ]
 EXPECTED = tuple(name for name, *_ in OPTIMIZATIONS[-3:])  # gains the original expected, not measured
-# The original's combined table: baseline 4 tok/s; the 7 optimizations above through SGD: ~177x
+# TRAINING_OPTIMIZATION.md's combined table: baseline 4 tok/s; the 7 optimizations above through SGD: ~177x
 # (707 tok/s); + B=8: ~4x (1345 tok/s), ~336x in all. Its own tok/s make the B=8 step
 # 1345 / 707 = 1.9x, not ~4x.
 ORIGINAL_COMBINED = {"baseline_tok_s": 4.0, "through_sgd": 177.0, "through_sgd_tok_s": 707.0,
                      "with_batch_8": 336.0, "with_batch_8_tok_s": 1345.0}
-# The original's bf16 autocast optimization (GPU only, section 9): its claim, on a part of the step.
+# TRAINING_OPTIMIZATION.md's bf16 autocast optimization (GPU only, section 9): its claim, on a part of the step.
 BF16_CLAIM = "~2x on all matmuls, halves memory"
-# The original's batch table (section 8): tok/s per batch size, "d=128, 2 blocks"; the rest of its
+# TRAINING_OPTIMIZATION.md's batch table (section 8): tok/s per batch size, "d=128, 2 blocks"; the rest of its
 # setting is not stated, and its B=1 figure is not the 707 tok/s of its combined table.
 ORIGINAL_BATCH_TOK_S = {1: 335, 2: 598, 4: 894, 8: 1345}
 # Extra single-optimization variants shown next to the cumulative ones (speed alone from the baseline).
@@ -218,7 +218,7 @@ AS_CLAIMED = "as claimed (within 1.25x either way)"
 
 
 def verdict(measured: float, claimed: float) -> str:
-    """A measured speedup against the original's claimed one: no gain (≤ 1x where a gain was
+    """A measured speedup against the document's claimed one: no gain (≤ 1x where a gain was
     claimed), as claimed (within 1.25x either way), or smaller / larger than claimed."""
     ratio = measured / claimed
     return ("no gain measured (a gain was claimed)" if measured <= 1 < claimed else
