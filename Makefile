@@ -57,7 +57,7 @@ test: setup
 bench-cpu: setup
 	$(BIN)/python -m fractus.bench cpu --out results
 
-# this CPU's cost model fitted and checked against measured training steps, and its H200 column
+# the cost model of the CPU it runs on, fitted and checked against measured training steps, and its H200 column
 bench-costmodel: setup
 	$(BIN)/python -m fractus.bench costmodel --out results
 

@@ -128,8 +128,8 @@ class FractusConfig:
     def from_saved(cls, d: dict) -> "FractusConfig":
         """The config a checkpoint saved as ``d``. Unlike ``FractusConfig(**d)``, whose missing
         fields take the default architecture's values, a lever ``d`` does not name takes the
-        original architecture's (:data:`ORIGINAL`): a config saved before that lever existed is read
-        as the architecture it was trained as. Keys of :data:`TRAINING_KEYS` (training settings a
+        original architecture's (:data:`ORIGINAL`): a config without a lever's field has that
+        lever off. Keys of :data:`TRAINING_KEYS` (training settings a
         saved config may name, not fields of the model) are ignored."""
         return cls._from_dict({k: v for k, v in d.items() if k not in TRAINING_KEYS})
 

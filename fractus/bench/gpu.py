@@ -1,4 +1,4 @@
-"""The GPU suite: ``python -m fractus.bench gpu --out results/gpu`` (one command, < 8 min on an H200).
+"""The GPU suite: ``python -m fractus.bench gpu --out results/gpu`` (one command; ``--budget-s`` bounds its time).
 
 1. provenance and the device's ceilings (device-to-device copy GB/s, large bf16 matmul TFLOP/s);
    then every kernel compiled in parallel processes into Triton's cache (:func:`aot.precompile`);
