@@ -1,6 +1,6 @@
 # make demo — set up (first time) and train the default model on the embedded Shakespeare corpus
 # make baseline — the same for the softmax transformer it is measured against
-# make demo-results — both runs behind README's figures, written to results/
+# make demo-results — both runs behind README's make demo / make baseline figures, written to results/
 # make test — set up (first time) and run every test and notebook (CPU, small configuration)
 PYTHON ?= python3
 VENV ?= .venv

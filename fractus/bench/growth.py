@@ -16,7 +16,8 @@ growth saves compute; NaN: the grown path never gets there).
 at each of a few peak rates on a short budget (its tuned rate), ``measure`` trains both paths from
 each seed. Every run resumes in its directory under ``--runs``; every finished run's evaluations
 are rows of ``--csv`` (``results/growth_cpu.csv``) with provenance, and a run whose rows are there
-is not trained again.
+is not trained again. A row's ``lr`` is the run's ``--lr``, the target's rate; a stage whose
+schedule names its own rate (the grown path's small stage: ``lr=…`` in ``schedule``) trains at that.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from fractus.train import autocast, make_optimizer
 PHASES = ("forward", "backward", "optimizer")
 LABELS = ("embedding", "attention", "kuramoto", "moe", "head_loss")
 COMPONENTS = ("attention", "kuramoto", "moe", "embedding", "norms", "head_loss", "per-block overhead")
-# The original's profile (seeds/TRAINING_OPTIMIZATION.md, "Profile": Ryzen 5 5500U, 12 threads;
+# The profile of TRAINING_OPTIMIZATION.md of the Fractus CTE repository ("Profile": Ryzen 5 5500U, 12 threads;
 # d=512, 4 blocks, 16 experts, chunk 32): its phases (ms) and its forward's rows ("~" ms). Its head
 # row is "Output head (1 position, tied)"; our head_loss (head + cross-entropy) is compared with it.
 ORIGINAL_PHASES_MS = {"forward": 166, "backward": 271, "optimizer": 176, "total": 613}
