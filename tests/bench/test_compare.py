@@ -20,7 +20,8 @@ def rows(spec):
 def test_sweep_then_seeds_and_budget_at_each_model_s_best_rate():
     sweep = C.stage_jobs("sweep", None)
     assert sorted(sweep) == sorted((m, lr, 0, C.DEMO_TOKENS) for m in C.MODELS for lr in C.LRS[m])
-    assert [j[:2] for j in sweep[:3]] == [("default", 3e-3), ("transformer", 1.5e-3), ("original", 1.5e-3)]  # middles first
+    assert [j[:2] for j in sweep[:4]] == [("transformer", 1.5e-3), ("original", 1.5e-3), ("default", 3e-3),
+                                          ("default", 6e-3)]  # middles first
     lever = C.stage_jobs("sweep", None, models=("default − decay gate",))
     assert [j[1] for j in lever] == [1.5e-3, 7.5e-4, 3e-3, 3.75e-4, 6e-3]  # RATES, from the middle out
     r = rows([("default", 1.5e-3, 0, 4.4), ("default", 3e-3, 0, 4.3), ("transformer", 1.5e-3, 0, 4.2),
@@ -35,6 +36,12 @@ def test_sweep_then_seeds_and_budget_at_each_model_s_best_rate():
     assert {j[1] for j in C.stage_jobs("variants", r)} == {3e-3}  # the default's best
     t = C.summary(r)
     assert t.loc["default", "ce_vs_transformer"] == pytest.approx(0.1)
+    # a second rate run from as many seeds as the sweep's best, and better on them, is the tuned one
+    more = pd.concat([r, rows([("default", 3e-3, s, 4.35) for s in (1, 2)] + [("default", 1.5e-3, s, 4.3) for s in (1, 2)])])
+    assert C.best_lr(more[more["seed"] == 0], "default") == 3e-3
+    assert C.tuned_lr(more, "default") == 1.5e-3 and C.tuned_lr(more, "transformer") == 1.5e-3
+    assert C.summary(more).loc["default", "lr"] == 1.5e-3
+    assert C.stage_jobs("budget", more)[0] == ("default", 1.5e-3, 0, C.BUDGET_TOKENS)
     with pytest.raises(ValueError, match="no original runs"):
         C.best_lr(r[r["model"] != "original"], "original")
 
