@@ -134,9 +134,11 @@ def test_sample_into_a_closed_pipe_is_quiet(run):
 
 
 def test_sigint_during_sampling_exits_130(run):
+    # the child starts with Ctrl-C's default action, as from a terminal: a process started with
+    # SIGINT ignored (a disposition the test runner's worker may pass on) keeps ignoring it
     p = subprocess.Popen([sys.executable, "-m", "fractus.sample", str(run / "ckpt.pt"), "--tokens", "20",
                           "--num-samples", "10000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout.readline().startswith("--- ")  # work has started
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
