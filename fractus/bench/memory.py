@@ -15,6 +15,7 @@ Shapes: B sequences, T positions, V vocabulary.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import multiprocessing as mp
 import time
@@ -28,8 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from fractus.baseline import Transformer, TransformerConfig
+from fractus.cli import number, positive_int, run_command, seed_number
 from fractus.data import TokenStreams
 from fractus.model import FractusConfig, FractusCTE
+from fractus.experiments.convergence import ACCURACY_TOL, change_over_last, next_budget
 from fractus.records import append_csv
 from fractus.train import lr_lambda, make_optimizer
 
@@ -167,26 +170,49 @@ RECALL_MODELS = (
 RECALL_BY_NAME = {m.name: m for m in RECALL_MODELS}
 
 # Zoology's way: one model trained on a mixture of (seq_len, pairs) settings, batches taking turns,
-# then scored on each setting of a grid: pairs D at T = 256, and lengths T at D = 16 (T = 512 is
-# longer than any training sequence).
+# then scored on each setting of a grid: pairs D at T = 256, lengths T at D = 16 (T = 512 and 1,024
+# are longer than any training sequence), and the settings that separate a fixed-size state from
+# attention: 64 and 128 pairs at T = 512 and 1,024 (128 pairs need 384 positions: not at T = 256).
+# The vocabulary holds 511 keys, so 128 distinct keys fit.
 TRAIN_MIX = ((64, 4), (128, 8), (256, 16))
-TEST_GRID = ((256, 4), (256, 8), (256, 16), (256, 32), (256, 64), (64, 16), (128, 16), (512, 16))
+TEST_GRID = ((256, 4), (256, 8), (256, 16), (256, 32), (256, 64), (64, 16), (128, 16), (512, 16), (1024, 16),
+             (512, 64), (1024, 64), (512, 128), (1024, 128))
+VOCAB = 512
+STEPS, MAX_STEPS = 6000, 24000  # the first budget; doubled while the curve has not settled, up to the ceiling
+CURVE_POINTS = 24  # held-out points on a run's learning curve (every steps / 24)
+PROBE_SEQUENCES = 200  # held-out sequences of the curve's setting (the mixture's last: T 256, D 16)
+
+
+@dataclass
+class RecallRun:
+    """A trained recall model's rows (one per test setting) and its learning curve (one row per
+    held-out point: step, mean training CE since the last point, probe accuracy)."""
+    rows: list[dict]
+    curve: list[dict]
 
 
 def train_recall(recall_model: RecallModel, lr: float, seed: int, d_model: int = 64, n_layers: int = 2,
-                 vocab: int = 256, steps: int = 1500, batch: int = 32, n_test: int = 500,
-                 mix=TRAIN_MIX, tests=TEST_GRID) -> list[dict]:
+                 vocab: int = VOCAB, steps: int = STEPS, batch: int = 32, n_test: int = 500,
+                 mix=TRAIN_MIX, tests=TEST_GRID, curve_points: int = CURVE_POINTS,
+                 n_probe: int = PROBE_SEQUENCES) -> RecallRun:
     """Train ``recall_model`` on fresh MQAR batches (``steps`` AdamW steps of ``batch`` sequences, the
     settings of ``mix`` taking turns; warm-up then cosine) and score it on ``n_test`` held-out
     sequences of each (seq_len, pairs) of ``tests``: the fraction of queried values predicted exactly
-    (argmax). Returns a row per test setting with the model's name, the rate, the seed, the
-    accuracy, whether the setting was trained on, the last training CE and the training seconds."""
+    (argmax). Its learning curve scores ``n_probe`` held-out sequences of the mixture's last setting
+    at ``curve_points`` evenly spaced steps; a row's ``probe_change`` is how far that accuracy moved
+    over the last quarter of training and ``settled`` whether that is within the convergence rule's
+    tolerance (:mod:`fractus.experiments.convergence`). A row per test setting carries the model's
+    name, the rate, the seed, the accuracy, whether the setting was trained on, the last training CE
+    and the training seconds (the curve's evaluations excluded)."""
     torch.manual_seed(seed)
     model = recall_model.build(d_model, n_layers, vocab, max(t for t, _ in (*mix, *tests)))
     opt = make_optimizer(model, "adamw", lr, 0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, steps // 10), steps, 0.1))
-    t0, losses = time.perf_counter(), []
+    points = sorted({max(1, round(steps * (i + 1) / curve_points)) for i in range(curve_points)})
+    probe_len, probe_pairs = mix[-1]
+    train_s, losses, curve = 0.0, [], []
     for step in range(steps):
+        t0 = time.perf_counter()
         seq_len, pairs = mix[step % len(mix)]
         x, y = mqar(batch, seq_len, pairs, vocab, seed=1_000_003 * seed + step + 1)
         _, parts, _ = model(x, None, y)
@@ -196,12 +222,20 @@ def train_recall(recall_model: RecallModel, lr: float, seed: int, d_model: int =
         opt.zero_grad(set_to_none=True)
         sched.step()
         losses.append(float(parts["ce"].detach()))
-    train_s = time.perf_counter() - t0
+        train_s += time.perf_counter() - t0
+        if step + 1 in points:
+            since = len(losses) - (curve[-1]["step"] if curve else 0)
+            curve.append({"step": step + 1, "train_ce": float(np.mean(losses[-since:])),
+                          "probe_accuracy": recall_accuracy(model, probe_len, probe_pairs, vocab, n_probe, seed=1)})
+    change = change_over_last([c["step"] for c in curve], [c["probe_accuracy"] for c in curve])
     run = {"model": recall_model.name, "d_model": d_model, "n_layers": n_layers, "vocab": vocab, "lr": lr,
            "seed": seed, "steps": steps, "batch": batch, "train_ce": float(np.mean(losses[-len(mix):])),
-           "params": model.num_params(), "train_s": train_s}
-    return [{**run, "seq_len": t, "pairs": d, "trained_on": (t, d) in mix,
+           "params": model.num_params(), "train_s": train_s, "probe_change": change,
+           "settled": bool(change <= ACCURACY_TOL)}
+    rows = [{**run, "seq_len": t, "pairs": d, "trained_on": (t, d) in mix,
              "accuracy": recall_accuracy(model, t, d, vocab, n_test)} for t, d in tests]
+    key = {k: run[k] for k in RECALL_KEY}
+    return RecallRun(rows, [{**key, **c} for c in curve])
 
 
 @torch.no_grad()
@@ -221,33 +255,117 @@ def recall_accuracy(model, seq_len: int, pairs: int, vocab: int, n: int, seed: i
     return right / total
 
 
-def _recall_job(args: tuple) -> list[dict]:
+def _recall_job(args: tuple) -> RecallRun:
     name, lr, seed, kw = args
     torch.set_num_threads(1)
     return train_recall(RECALL_BY_NAME[name], lr, seed, **kw)
 
 
-RECALL_KEY = ("model", "lr", "seed", "d_model", "steps")
+RECALL_KEY = ("model", "lr", "seed", "d_model", "vocab", "steps")
 
 
-def run_recall(jobs: list[tuple], csv, workers: int = 2, log=print, **kw) -> pd.DataFrame:
-    """Train each (model name, lr, seed) of ``jobs`` not yet in ``csv`` (same d_model and steps),
-    ``workers`` processes of one thread at a time; each run's rows (one per test setting) appended to
-    ``csv`` with their provenance as it finishes (an interrupted grid resumes). Returns ``csv``'s rows."""
-    kw = {"d_model": 64, "steps": 1500, **kw}
-    done = set()
-    if Path(csv).exists():
-        d = pd.read_csv(csv)
-        done = {tuple(r) for r in d[list(RECALL_KEY)].astype(str).itertuples(index=False)}
-    todo = [j for j in jobs if tuple(map(str, (*j, kw["d_model"], kw["steps"]))) not in done]
+def recall_budgets(csv) -> dict:
+    """Of the recall runs in ``csv``: {(model, lr, seed, d_model, vocab): {steps: settled}}."""
+    if not Path(csv).exists():
+        return {}
+    out: dict = {}
+    for r in pd.read_csv(csv).drop_duplicates(list(RECALL_KEY)).itertuples(index=False):
+        out.setdefault((r.model, float(r.lr), int(r.seed), int(r.d_model), int(r.vocab)), {})[int(r.steps)] = bool(r.settled)
+    return out
+
+
+def pending_budget(done: dict, steps: int, max_steps: int) -> int | None:
+    """The budget a run trains at next given its finished budgets ``done`` ({steps: settled}):
+    ``steps`` first, then doubled while the last one has not settled, up to ``max_steps``."""
+    budget = steps
+    while budget in done:
+        budget = next_budget(budget, done[budget], max_steps)
+        if budget is None:
+            return None
+    return budget
+
+
+def curves_path(csv) -> Path:
+    """Where the learning curves of ``csv``'s runs go: ``recall_cpu.csv`` → ``recall_curves_cpu.csv``."""
+    csv = Path(csv)
+    stem = csv.stem[:-4] + "_curves_cpu" if csv.stem.endswith("_cpu") else csv.stem + "_curves"
+    return csv.with_name(stem + csv.suffix)
+
+
+def run_recall(jobs: list[tuple], csv, curves_csv=None, workers: int = 2, log=print, max_steps: int | None = None,
+               **kw) -> pd.DataFrame:
+    """Train each (model name, lr, seed) of ``jobs`` until its learning curve has settled: at
+    ``steps``, then at twice the steps while the run has not settled, up to ``max_steps`` (default:
+    ``steps``, one budget). ``workers`` processes of one thread at a time; each run's rows (one per
+    test setting) are appended to ``csv`` whole, with their provenance, as it finishes — its curve
+    to ``curves_csv`` (default: ``csv``'s name with ``_curves``) just before —, so an interrupted
+    grid resumes. Returns ``csv``'s rows."""
+    kw = {"d_model": 64, "steps": STEPS, "vocab": VOCAB, **kw}
+    steps = kw.pop("steps")
+    max_steps = max(steps, max_steps or steps)
+    csv = Path(csv)
+    curves_csv = Path(curves_csv) if curves_csv else curves_path(csv)
+    budgets = recall_budgets(csv)
+
+    def next_for(job):
+        return pending_budget(budgets.get((job[0], float(job[1]), int(job[2]), kw["d_model"], kw["vocab"]), {}),
+                              steps, max_steps)
+
+    todo = [(j, next_for(j)) for j in jobs]
+    todo = [(j, b) for j, b in todo if b is not None]
     if len(todo) < len(jobs):
         log(f"{len(jobs) - len(todo)} of {len(jobs)} recall runs kept from {csv}")
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(_recall_job, (*j, kw)) for j in todo]
-        for fut in as_completed(futures):
-            rows = fut.result()
-            append_csv(csv, rows)
-            r = rows[0]
-            log(f"{r['model']:24s} lr {r['lr']:g} seed {r['seed']}: accuracy "
-                + " ".join(f"{x['seq_len']}/{x['pairs']} {x['accuracy']:.2f}" for x in rows) + f" ({r['train_s']:.0f} s)")
+        futures = {pool.submit(_recall_job, (*j, {**kw, "steps": b})): j for j, b in todo}
+        while futures:
+            fut = next(as_completed(futures))
+            job = futures.pop(fut)
+            run = fut.result()
+            append_csv(curves_csv, run.curve)
+            append_csv(csv, run.rows)
+            r = run.rows[0]
+            budgets.setdefault((r["model"], float(r["lr"]), int(r["seed"]), r["d_model"], r["vocab"]), {})[
+                r["steps"]] = r["settled"]
+            log(f"{r['model']:24s} lr {r['lr']:g} seed {r['seed']} {r['steps']} steps"
+                f" ({'settled' if r['settled'] else 'not settled'}, {r['probe_change']:.3f}): accuracy "
+                + " ".join(f"{x['seq_len']}/{x['pairs']} {x['accuracy']:.2f}" for x in run.rows)
+                + f" ({r['train_s']:.0f} s)")
+            budget = next_for(job)
+            if budget is not None:
+                futures[pool.submit(_recall_job, (*job, {**kw, "steps": budget}))] = job
     return pd.read_csv(csv)
+
+
+def settled_reading(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows a reading takes: of each (model, lr, seed, d_model, vocab), the run at its largest
+    budget (the settled one, unless the ceiling came first: its ``settled`` says so)."""
+    group = ["model", "lr", "seed", "d_model", "vocab"]
+    last = rows.groupby(group)["steps"].transform("max")
+    return rows[rows["steps"] == last]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fractus.bench.memory", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("recall", help="train and score MQAR models until their curves settle")
+    r.add_argument("--models", nargs="+", default=["default"], help=f"from {list(RECALL_BY_NAME)}")
+    r.add_argument("--lrs", nargs="+", type=number(float, lambda x: x > 0, "> 0"), default=[3e-2])
+    r.add_argument("--seeds", nargs="+", type=seed_number, default=[0])
+    r.add_argument("--steps", type=positive_int, default=STEPS, help="the first budget")
+    r.add_argument("--max-steps", type=positive_int, default=MAX_STEPS, help="the ceiling of the doubled budgets")
+    r.add_argument("--d-model", type=positive_int, default=64)
+    r.add_argument("--workers", type=positive_int, default=1, help="processes of one thread each")
+    r.add_argument("--csv", default="results/recall_cpu.csv")
+    a = ap.parse_args(argv)
+    unknown = [m for m in a.models if m not in RECALL_BY_NAME]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; the models: {list(RECALL_BY_NAME)}")
+    jobs = [(m, lr, s) for m in a.models for lr in a.lrs for s in a.seeds]
+    run_command(lambda: run_recall(jobs, a.csv, workers=a.workers, steps=a.steps, max_steps=a.max_steps,
+                                   d_model=a.d_model),
+                interrupted="interrupted: finished runs are in the CSV; the stopped one starts again")
+
+
+if __name__ == "__main__":
+    main()

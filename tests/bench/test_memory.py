@@ -1,5 +1,6 @@
 """The memory measurements: the MQAR generator (deterministic, keys then queries, loss only at the
 queried positions), recall learnt by a small attention model, and the position and reset curves."""
+import pandas as pd
 import pytest
 import torch
 
@@ -31,10 +32,17 @@ def test_mqar_is_deterministic_and_scores_only_the_queries():
 
 
 def test_a_small_attention_model_learns_two_pair_recall():
-    rows = M.train_recall(M.RecallModel("t", kind="transformer"), 3e-3, 0, d_model=32, steps=600, batch=64, vocab=32,
-                          n_test=500, mix=((12, 2),), tests=((12, 2), (16, 2)))
+    run = M.train_recall(M.RecallModel("t", kind="transformer"), 3e-3, 0, d_model=32, steps=600, batch=64, vocab=32,
+                         n_test=500, mix=((12, 2),), tests=((12, 2), (16, 2)), curve_points=12, n_probe=100)
+    rows, curve = run.rows, run.curve
     assert [(r["seq_len"], r["pairs"], r["trained_on"]) for r in rows] == [(12, 2, True), (16, 2, False)]
     assert rows[0]["params"] < 30_000 and rows[0]["accuracy"] > 0.9, rows
+    # the learning curve: 12 held-out points, rising from chance to the learnt task, still rising over
+    # the last quarter (steps 450–600) by more than the rule allows: not settled at this budget
+    assert [c["step"] for c in curve] == list(range(50, 601, 50)) and all(c["model"] == "t" for c in curve)
+    assert curve[0]["probe_accuracy"] < 0.5 < 0.9 < curve[-1]["probe_accuracy"], curve
+    tail = [c["probe_accuracy"] for c in curve[8:]]
+    assert rows[0]["probe_change"] == max(tail) - min(tail) > 0.02 and not rows[0]["settled"]
 
 
 def test_the_transformers_short_convolution_is_causal():
@@ -74,15 +82,31 @@ def test_position_and_reset_curves():
     assert [(r["bucket_lo"], r["bucket_hi"]) for r in rows] == [(0, 16), (16, 25)]  # within its context
 
 
-def test_the_recall_grid_keeps_finished_runs(tmp_path):
-    csv, log = tmp_path / "recall.csv", []
-    kw = dict(d_model=32, steps=5, vocab=32, batch=8, n_test=50, mix=((12, 2), (16, 3)), tests=((16, 3), (24, 4)))
+def test_the_recall_grid_trains_until_settled_and_keeps_finished_runs(tmp_path):
+    csv, log = tmp_path / "recall_cpu.csv", []
+    kw = dict(d_model=32, steps=4, vocab=32, batch=8, n_test=50, mix=((12, 2), (16, 3)), tests=((16, 3), (24, 4)),
+              curve_points=4, n_probe=20)
     jobs = [("transformer", 3e-3, 0), ("default", 3e-3, 0)]
-    rows = M.run_recall(jobs, csv, workers=1, log=log.append, **kw)
-    assert sorted(rows["model"]) == ["default"] * 2 + ["transformer"] * 2 and rows["git_sha"].notna().all()
-    assert list(rows["trained_on"]) == [True, False] * 2  # a row per test setting, in the mix or not
-    again = M.run_recall(jobs, csv, workers=1, log=log.append, **kw)
-    assert len(again) == 4 and log[-1] == f"2 of 2 recall runs kept from {csv}"
+    rows = M.run_recall(jobs, csv, workers=1, log=log.append, max_steps=8, **kw)
+    assert rows["git_sha"].notna().all() and set(rows["model"]) == {"default", "transformer"}
+    assert list(rows["trained_on"][:2]) == [True, False]  # a row per test setting, in the mix or not
+    budgets = M.recall_budgets(csv)  # a run that had not settled at 4 steps trained again at 8, then stopped
+    for b in budgets.values():
+        assert set(b) in ({4}, {4, 8}) and (b[4] or set(b) == {4, 8}), budgets
+    curves = pd.read_csv(tmp_path / "recall_curves_cpu.csv")
+    assert len(curves) == sum(len(b) for b in budgets.values()) * 4  # 4 points a run
+    read = M.settled_reading(rows)
+    assert len(read) == 4 and all(read.groupby("model")["steps"].nunique() == 1)
+    again = M.run_recall(jobs, csv, workers=1, log=log.append, max_steps=8, **kw)
+    assert len(again) == len(rows) and log[-1] == f"2 of 2 recall runs kept from {csv}"
+    assert M.pending_budget({4: False, 8: False}, 4, 16) == 16 and M.pending_budget({4: True}, 4, 16) is None
+
+
+def test_the_recall_cli_refuses_bad_input(capsys):
+    for argv in (["recall", "--models", "nope"], ["recall", "--lrs", "-1"], ["recall", "--steps", "0"], []):
+        with pytest.raises(SystemExit) as e:
+            M.main(argv)
+        assert e.value.code == 2
 
 
 @pytest.mark.parametrize("recall_model", M.RECALL_MODELS, ids=lambda m: m.name)

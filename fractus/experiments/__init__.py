@@ -1,0 +1,3 @@
+"""The research experiments the notebooks read: each trains models side by side, writes its rows
+with provenance to ``results/``, and is read only once its learning curves have settled
+(:mod:`fractus.experiments.convergence`)."""
