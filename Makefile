@@ -44,8 +44,8 @@ baseline: setup $(DATA)/meta.json
 # metrics with provenance (results/demo_metrics.csv) and both checkpoints on the validation split
 # (results/demo_eval.csv)
 demo-results: demo baseline
-	$(BIN)/python -m fractus.records $(RUN) --out results/demo_metrics.csv --label "make demo ($(RUN))" --force
-	$(BIN)/python -m fractus.records $(BASELINE) --out results/baseline_metrics.csv --label "make baseline ($(BASELINE))" --force
+	$(BIN)/python -m fractus.training.records $(RUN) --out results/demo_metrics.csv --label "make demo ($(RUN))" --force
+	$(BIN)/python -m fractus.training.records $(BASELINE) --out results/baseline_metrics.csv --label "make baseline ($(BASELINE))" --force
 	rm -f results/demo_eval.csv
 	$(BIN)/python -m fractus.evaluate $(RUN)/ckpt.pt --data $(DATA) --csv results/demo_eval.csv
 	$(BIN)/python -m fractus.evaluate $(BASELINE)/ckpt.pt --data $(DATA) --csv results/demo_eval.csv

@@ -4,7 +4,7 @@ The baseline of the linear-attention literature (RetNet, GLA, DeltaNet, Mamba): 
 causal multi-head softmax attention with rotary positions (RoPE) and a SwiGLU MLP, RMSNorm, no
 biases, a final RMSNorm and a head tied to the embedding; Llama's / GPT-2's initialisation. It
 carries no state: it reads at most ``context`` tokens at a time, and is scored on a split with
-sliding windows (:func:`fractus.train.evaluate_text`). Its interface is the CTE's (``forward(idx, state,
+sliding windows (:func:`fractus.training.loop.evaluate_text`). Its interface is the CTE's (``forward(idx, state,
 targets, head_positions)`` → (logits, parts, state), ``generate``, ``save``), so the trainer, the
 evaluation and the sampler serve both (``python -m fractus.train --model transformer …``); its loss is
 the same fused tied-head cross-entropy.
@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fractus.kernels.backend import BACKENDS
-from fractus.kernels.cross_entropy import linear_cross_entropy
+from fractus.ops.common import BACKENDS
+from fractus.ops.cross_entropy import linear_cross_entropy
 from fractus.model import (ShortConv, _finite, _int_min, _one_of, check_fields, check_token_ids, next_token,
                            prompt_tensor, rope_tables, rotate)
 
@@ -176,7 +176,7 @@ class Transformer(nn.Module):
         return None, parts, None
 
     def save(self, path, **extra) -> None:
-        """Write config + weights (+ ``extra`` entries) atomically; :func:`fractus.registry.load_model` reads it."""
+        """Write config + weights (+ ``extra`` entries) atomically; :func:`fractus.training.registry.load_model` reads it."""
         from fractus.checkpoint import save_checkpoint
         save_checkpoint(path, {"arch": "transformer", "config": self.cfg.to_dict(), "model": self.state_dict(),
                                **extra})

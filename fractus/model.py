@@ -26,12 +26,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from fractus.kernels.backend import BACKENDS, first_order_only
-from fractus.kernels.cross_entropy import linear_cross_entropy
-from fractus.kernels.delta_rule import delta_rule
-from fractus.kernels.kuramoto import kuramoto_phase
-from fractus.kernels.linear_attention import linear_attention
-from fractus.kernels.moe import moe
+from fractus.ops.common import BACKENDS, first_order_only
+from fractus.ops.cross_entropy import linear_cross_entropy
+from fractus.ops.delta_rule import delta_rule
+from fractus.ops.kuramoto import kuramoto_phase
+from fractus.ops.linear_attention import linear_attention
+from fractus.ops.moe import moe
 
 PHI = (1 + 5 ** 0.5) / 2
 
@@ -400,12 +400,12 @@ class LinearAttention(nn.Module):
     Δ = softplus(LN(h_t)·a_{l,h} + c_{l,h}), a = 0 and Δ = 1 at initialisation);
     y_l = f_l(q_t)ᵀ S_t / (f_l(q_t)ᵀ z_t + ε) with ``attn_norm="denominator"``,
     y_l = f_l(q_t)ᵀ S_t with "rms"; with ``attn_update="delta"`` the state follows the gated delta
-    rule instead (β = σ(LN(h)·W_β + b_β) per (level, head), :mod:`fractus.kernels.delta_rule`) and
+    rule instead (β = σ(LN(h)·W_β + b_β) per (level, head), :mod:`fractus.ops.delta_rule`) and
     z stays 0; o = Σ_l softmax(level_logits)_l·y_l, then for "rms" a per-head
     RMSNorm over D, for ``attn_gate`` ⊙ silu(LN(h)·W_g), then W_o, b_o. With ``attn_window`` = W,
     one more level reads the same q, k, v by softmax attention over the last W positions
     (:func:`window_attention`), its weight the softmax of ``window_logit`` beside ``level_logits``.
-    S [B, Lv, H, D, D] and z [B, Lv, H, D] stay fp32 (:mod:`fractus.kernels.linear_attention`).
+    S [B, Lv, H, D, D] and z [B, Lv, H, D] stay fp32 (:mod:`fractus.ops.linear_attention`).
     """
 
     def __init__(self, cfg: FractusConfig):
@@ -503,7 +503,7 @@ class KuramotoClock(nn.Module):
     def integrate(self, u: torch.Tensor) -> torch.Tensor:
         """u [.., d] → ψ [..]: θ⁰ = u·W_θ + b_θ + 2πn/N, RK4 steps of dθ/dt = ω − damping·θ +
         Σ_j K_ij sin(θ_j − θ_i) with K = U diag(λ) Uᵀ, then ψ = atan2(Σ sin θ, Σ cos θ)
-        (:mod:`fractus.kernels.kuramoto`)."""
+        (:mod:`fractus.ops.kuramoto`)."""
         theta = self.encoder(u) + self.offsets
         c = self.cfg
         psi = kuramoto_phase(theta.reshape(-1, theta.shape[-1]), self.omega, self.U, self.lam,
@@ -522,7 +522,7 @@ class PhaseRoutedMoE(nn.Module):
 
     p = softmax(gate_logits), its top-K renormalised to weights w; out = Σ_k w_k·f_{e_k}(m),
     m = LN(h), with f_e(m) = s2_e·(gelu(s1_e·(m V1_e) U1_eᵀ + b1_e) V2_e) U2_eᵀ + b2_e (rank r),
-    or gelu(m W1_e + b1_e) W2_e + b2_e when expert_rank = 0 (:mod:`fractus.kernels.moe`).
+    or gelu(m W1_e + b1_e) W2_e + b2_e when expert_rank = 0 (:mod:`fractus.ops.moe`).
     """
 
     def __init__(self, cfg: FractusConfig):
@@ -817,7 +817,7 @@ class FractusCTE(nn.Module):
     def load(cls, path, backend: str | None = None) -> "FractusCTE":
         """The model of a Fractus CTE checkpoint, on the CPU (``.to(device)`` moves it); ``backend``
         replaces the kernels' backend it was saved with (a run setting, e.g. 'triton' from a GPU).
-        :func:`fractus.registry.load_model` reads any model's checkpoint."""
+        :func:`fractus.training.registry.load_model` reads any model's checkpoint."""
         from fractus.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
         ckpt = load_checkpoint(path)
         if ckpt.get("arch", "cte") != "cte":

@@ -21,9 +21,9 @@ from fractus.cli import (
     run_command,
     seed_number,
 )
-from fractus.kernels.backend import BACKENDS
+from fractus.ops.common import BACKENDS
 from fractus.model import FractusCTE
-from fractus.registry import load_model
+from fractus.training.registry import load_model
 from fractus.tokenizer import get_tokenizer
 
 # The prompts of TRAINING_LOG_1B.md; by default sampling (and the trainer, at the end of a run) takes the

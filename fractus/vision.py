@@ -38,12 +38,12 @@ from tqdm import tqdm
 from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
 from fractus.cli import device_name, natural, non_negative, number, positive_int, run_command, seed_number
 from fractus.grow import grow
-from fractus.kernels.backend import BACKENDS, check_available
+from fractus.ops.common import BACKENDS, check_available
 from fractus.model import PRESETS, FractusConfig, FractusCTE, next_token
-from fractus.records import append_csv, csv_rows, provenance
-from fractus.runs import RunInUse, check_metrics_record, remove_leftover_temps, run_lock, truncate_metrics
+from fractus.training.records import append_csv, csv_rows, provenance
+from fractus.training.runs import RunInUse, check_metrics_record, remove_leftover_temps, run_lock, truncate_metrics
 from fractus.tokenizer import get_tokenizer
-from fractus.train import (RESUME_HINT, Interrupted, NonFiniteLoss, Stop, lr_lambda, make_optimizer, parse_overrides, rng_state,
+from fractus.training.loop import (RESUME_HINT, Interrupted, NonFiniteLoss, Stop, lr_lambda, make_optimizer, parse_overrides, rng_state,
                            set_rng_state)
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -376,7 +376,7 @@ def settings(args: dict) -> dict:
 
 def train(argv=None) -> dict:
     """``python -m fractus.vision train``: returns the final {val_ce, val_acc, …}. Raises
-    :class:`fractus.train.Interrupted` after a SIGINT/SIGTERM stop (checkpoint saved)."""
+    :class:`fractus.training.loop.Interrupted` after a SIGINT/SIGTERM stop (checkpoint saved)."""
     t_start = time.perf_counter()
     args = build_parser().parse_args(["train", *(argv or [])])
     return run(args, t_start)
@@ -394,7 +394,7 @@ def run(args: argparse.Namespace, t_start: float) -> dict:
         if Path(args.csv).is_dir():
             raise ValueError(f"--csv {args.csv} is a directory; give a file")
         csv_rows(args.csv, [*RESULT_COLUMNS, *provenance(device)])
-    with run_lock(out):  # one run at a time in a directory, as the text trainer's (fractus.runs)
+    with run_lock(out):  # one run at a time in a directory, as the text trainer's (fractus.training.runs)
         remove_leftover_temps([ckpt_path, metrics_path])
         return train_locked(args, t_start, device, out)
 

@@ -11,7 +11,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # before torch: its threads, and 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fractus.kernels import backend  # noqa: E402
+from fractus.ops import common as backend  # noqa: E402
 from fractus.verify import interpret  # noqa: E402
 
 interpret.install()  # bf16 and tf32 computed as a GPU does, for kernels launched directly too

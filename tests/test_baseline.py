@@ -5,8 +5,8 @@ import torch
 
 from fractus.baseline import Transformer, TransformerConfig
 from fractus.evaluate import evaluate_checkpoint
-from fractus.registry import load_model
-from fractus.train import main, train
+from fractus.training.registry import load_model
+from fractus.training.loop import main, train
 from util import cli, make_corpus, metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,7 +132,7 @@ def test_sliding_windows_score_every_target_once_with_context():
     """The sliding reading scores each target of the split exactly once; each scored target outside
     the first window sees at least context/2 tokens; its CE equals the per-target CE of a forward
     over exactly that window."""
-    from fractus.train import _windows, evaluate_text
+    from fractus.training.loop import _windows, evaluate_text
     torch.manual_seed(0)
     tokens = torch.randint(0, 50, (203,)).numpy()
     context, stride = 16, 8

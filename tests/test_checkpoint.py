@@ -13,7 +13,7 @@ from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
 from fractus.sample import main as sample_main
-from fractus.train import main as train_main
+from fractus.training.loop import main as train_main
 from util import cli, make_corpus
 
 UNREADABLE = "damaged, truncated or not a checkpoint"

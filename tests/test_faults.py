@@ -11,12 +11,13 @@ import pandas as pd
 import pytest
 import torch
 
-from fractus import bench, data, evaluate, merge, records, sample
+from fractus import bench, data, evaluate, merge, sample
+from fractus.training import records
 from fractus.bench import __main__ as bench_main
 from fractus.checkpoint import load_checkpoint
 from fractus.cli import run_command
 from fractus.model import FractusConfig, FractusCTE
-from fractus.train import main, train
+from fractus.training.loop import main, train
 from util import ROOT, cli, make_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -194,7 +195,7 @@ def test_records_refuses_to_overwrite_the_run_s_own_files(run, capsys):
 
 
 def _append_rows(path, worker):
-    from fractus.records import append_csv
+    from fractus.training.records import append_csv
     for i in range(20):
         append_csv(path, {"worker": worker, "i": i})
 
@@ -231,8 +232,8 @@ def test_seeds_and_token_counts_that_cannot_make_a_run(corpus, run, tmp_path, ca
 
 
 @pytest.mark.parametrize("command", ["fractus.train", "fractus.data prepare", "fractus.evaluate", "fractus.sample",
-                                     "fractus.merge", "fractus.records", "fractus.vision train", "fractus.bench gpu",
-                                     "fractus.bench.compare sweep", "fractus.bench.growth measure"])
+                                     "fractus.merge", "fractus.training.records", "fractus.vision train", "fractus.bench gpu",
+                                     "fractus.experiments.compare sweep", "fractus.experiments.growth measure"])
 def test_every_command_prints_its_help(command):
     """``--help`` prints the usage and exits 0: argparse formats each help text with %, so a bare
     "5 % of" in one would be a traceback instead."""

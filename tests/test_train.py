@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-import fractus.train as train_mod
-from fractus import records
+import fractus.training.loop as train_mod
+from fractus.training import records
 from fractus.checkpoint import load_checkpoint, save_checkpoint, weights_fingerprint
 from fractus.data import TokenStreams, load_tokens, prepare, write_toy_corpus
 from fractus.data import main as data_main
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
-from fractus.resume import ADAMW_LR, RESUME_KEYS, warmup_steps
-from fractus.runs import METRIC_FIELDS
+from fractus.training.resume import ADAMW_LR, RESUME_KEYS, warmup_steps
+from fractus.training.runs import METRIC_FIELDS
 from fractus.tokenizer import get_tokenizer
-from fractus.train import NonFiniteLoss, main, micro_steps, set_active_blocks, train
+from fractus.training.loop import NonFiniteLoss, main, micro_steps, set_active_blocks, train
 from util import ROOT, SAME, STEPS, cli, make_corpus, metrics
 
 
@@ -171,7 +171,7 @@ def test_stop_after_exits_with_0(data, tmp_path):
 def test_a_stop_request_reaches_the_sigterm_handler_it_replaced():
     """Inside a caller with its own SIGTERM handler (the GPU suite's), the trainer finishes and saves,
     then hands the signal on; SIGINT and the default SIGTERM are not handed on."""
-    from fractus.train import Stop
+    from fractus.training.loop import Stop
     got = []
     old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     try:
@@ -191,7 +191,7 @@ def test_a_stop_request_reaches_the_sigterm_handler_it_replaced():
 KILLED_IN_SAVE = """
 import io, os, signal, sys
 import torch
-from fractus.train import main
+from fractus.training.loop import main
 real, calls = torch.save, []
 def save(obj, f, *args, **kwargs):  # the third checkpoint: half the bytes, then SIGKILL
     calls.append(1)

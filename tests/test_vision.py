@@ -302,9 +302,9 @@ def test_cli_errors(reference, tmp_path, capsys):
 
 
 def test_a_second_run_on_one_out_is_refused(tmp_path, capsys):
-    """A run holds its directory's lock (fractus.runs), as text training does: a second vision run on
+    """A run holds its directory's lock (fractus.training.runs), as text training does: a second vision run on
     the same --out is refused at once, and nothing of the first is touched."""
-    from fractus.runs import run_lock
+    from fractus.training.runs import run_lock
     out = tmp_path / "run"
     with run_lock(out):
         assert f"error: {out} is in use by another run" in run_cli(capsys, "train", *SMOKE, "--out", str(out))

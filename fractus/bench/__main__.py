@@ -24,7 +24,7 @@ import pandas as pd
 from fractus.allocator import keep_freed_memory
 from fractus.bench.common import SMOKE
 from fractus.cli import run_command
-from fractus.records import write_csv
+from fractus.training.records import write_csv
 from fractus.verify import aot
 
 # subject (its CSV: OUT/<subject>_cpu.csv) → the module whose cpu_rows measure it

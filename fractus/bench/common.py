@@ -1,5 +1,5 @@
 """The smoke switch (``SMOKE``: ``FRACTUS_SMOKE=1``), and the timing and peak-memory helpers shared
-by every benchmark (their rows' provenance and CSVs: :mod:`fractus.records`). The correctness-check
+by every benchmark (their rows' provenance and CSVs: :mod:`fractus.training.records`). The correctness-check
 helpers are :mod:`fractus.verify.checks`' (the checks made without the benchmarks use them too),
 imported here under the names the benchmarks and notebooks use."""
 from __future__ import annotations

@@ -343,7 +343,7 @@ def h200_rows(sweep, setup, host_op_s: float, target: tuple[str, float] = ("1b",
               largest: int = 1024) -> list[dict]:
     """The model's H200 column: :func:`gpu_step` for each (preset, batch sizes, chunk) of ``sweep``,
     ``setup(preset, chunk, batch)`` its training configuration (an
-    :class:`fractus.bench.optimizations.Setup`), the launches of its micro-step counted on its GPU
+    :class:`fractus.experiments.optimizations.Setup`), the launches of its micro-step counted on its GPU
     path (:func:`fractus.bench.profile.gpu_launch_count`) at ``host_op_s`` each; then, for
     ``target``'s preset, the smallest power-of-two batch up to ``largest`` whose tok/s reaches the
     target within the H200's memory (``smallest_for_target`` True; none if no batch does)."""

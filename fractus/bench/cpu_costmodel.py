@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fractus.bench.common import in_fresh_process
-from fractus.bench.optimizations import SMOKE_DIMS
+from fractus.experiments.optimizations import SMOKE_DIMS
 from fractus.bench.throughput import TrainingStep, measure_training
 
 PRESETS = ("palier0", "palier1", "palier2")  # each also as the original architecture, original-<name>
@@ -385,7 +385,7 @@ def run(out: Path, smoke: bool = False) -> tuple[list[dict], list[dict]]:
     """Fit and measure this CPU in rounds (:func:`rounds`, at the run's threads: torch's own, one
     when smoke); write ``out/costmodel_cpu_fit.csv`` (a row per case and round) and
     ``costmodel_cpu_check.csv`` (a row per case). Returns (fit rows, check rows)."""
-    from fractus.records import write_csv
+    from fractus.training.records import write_csv
     threads = torch.get_num_threads()
     torch.set_num_threads((SMOKE if smoke else FULL)["threads"] or threads)
     try:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fractus.bench import common
-from fractus.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from fractus.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from fractus.verify.cases import CROSS_ENTROPY_GPU, cross_entropy_case, cross_entropy_fwd_bwd
 
 CPU_CASE = dict(N=8192, d=512, V=50257)

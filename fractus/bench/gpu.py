@@ -42,17 +42,18 @@ import pandas as pd
 import torch
 
 from fractus.atomic import atomic_open
-from fractus.bench import common, optimizations, profile
+from fractus.bench import common, profile
+from fractus.experiments import optimizations
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
 from fractus.bench.costmodel import datasheet, flops_per_token, gpu_step
 from fractus.bench.throughput import measure_training
 from fractus.cli import CommandError
 from fractus.data import prepare, write_toy_corpus
-from fractus.kernels import backend as _backend
+from fractus.ops import common as _backend
 from fractus.model import FractusConfig, FractusCTE
-from fractus.records import cuda_name, provenance, write_csv
-from fractus.runs import read_metrics
-from fractus.train import train
+from fractus.training.records import cuda_name, provenance, write_csv
+from fractus.training.runs import read_metrics
+from fractus.training.loop import train
 from fractus.verify import aot, offsets
 from fractus.verify.cases import GEN_PROMPT, kuramoto_case
 
@@ -179,7 +180,7 @@ def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dic
     plain autograd in fp64 on the device, ψ and every gradient: error ≤ fp32 autograd's + 1e-4
     (atan2's gradient is ill-conditioned where the phases cancel; ``timing``: forward+backward
     times of all three in fp32 instead)."""
-    from fractus.kernels.kuramoto import kuramoto_phase, kuramoto_phase_reference
+    from fractus.ops.kuramoto import kuramoto_phase, kuramoto_phase_reference
     args, dy = kuramoto_case(device, small=dry_run)
     dt, steps, damping = 0.1, 2, 0.1
     fns = {"triton": lambda *a: kuramoto_phase(*a, backend="triton"),

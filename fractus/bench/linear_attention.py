@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fractus.bench import common
-from fractus.kernels.linear_attention import linear_attention
+from fractus.ops.linear_attention import linear_attention
 from fractus.model import level_omegas
 from fractus.verify import cases
 from fractus.verify.cases import attention_case

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fractus.bench import common
-from fractus.kernels.moe import moe, moe_reference
+from fractus.ops.moe import moe, moe_reference
 from fractus.verify.cases import MOE_GPU, MOE_TOKENS, moe_case, moe_fwd_bwd
 
 PALIER2 = dict(d=512, E=16, F=512, r=64, K=2)

@@ -24,9 +24,9 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fractus.bench.common import sync
-from fractus.bench.optimizations import Setup
+from fractus.experiments.optimizations import Setup
 from fractus.model import FractusCTE
-from fractus.train import autocast, make_optimizer
+from fractus.training.loop import autocast, make_optimizer
 
 PHASES = ("forward", "backward", "optimizer")
 LABELS = ("embedding", "attention", "kuramoto", "moe", "head_loss")
@@ -310,8 +310,8 @@ def clock_ops(cfg, rows: int = 256) -> dict[str, int]:
     as plain autograd (the reference), on the fused PyTorch path (hand-written RK4 backward) and
     on the Triton path (its ATen ops plus its kernels, captured on CPU instead of run)."""
     from fractus.verify import aot
-    from fractus.kernels import backend as B
-    from fractus.kernels import kuramoto as K
+    from fractus.ops import common as B
+    from fractus.ops import kuramoto as K
 
     def count(backend: str) -> int:
         g = torch.Generator().manual_seed(0)
@@ -353,7 +353,7 @@ def breakdown_rows(name: str, setup: Setup, iters: int = 5, prof_iters: int = 3,
 def gpu_setups(cuda: bool) -> list[tuple[str, Setup]]:
     """The configurations :func:`gpu_rows` profiles: palier0 and palier2 at B=8, C=32, tied
     8192-word head, sparse MoE, fused cross-entropy (smoke dims off CUDA)."""
-    from fractus.bench.optimizations import SMOKE_DIMS
+    from fractus.experiments.optimizations import SMOKE_DIMS
     dims = () if cuda else tuple(SMOKE_DIMS.items())
     return [(preset, Setup(preset=preset, vocab_size=8192, tie_head=True, sparse_moe=True, chunk_len=32,
                            batch_size=8, fused_ce=True, dims=dims)) for preset in ("palier0", "palier2")]

@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 from fractus.bench.common import SMOKE
-from fractus.records import REPO, provenance
+from fractus.training.records import REPO, provenance
 
 # The GPU suite's CSVs (``python -m fractus.bench gpu --out results/gpu``); FRACTUS_GPU_RESULTS reads another folder.
 GPU_DIR = Path(os.environ.get("FRACTUS_GPU_RESULTS", REPO / "results" / "gpu"))

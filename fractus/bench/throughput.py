@@ -1,6 +1,6 @@
 """End-to-end training throughput: tokens/s and peak memory of optimizer steps.
 
-Steps are the trainer's own (:func:`fractus.train.micro_steps`) on random tokens, so the
+Steps are the trainer's own (:func:`fractus.training.loop.micro_steps`) on random tokens, so the
 numbers measure the model, the kernels and the optimizer, not the data pipeline.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 
 from fractus.bench.common import in_fresh_process, sync
 from fractus.model import FractusConfig, FractusCTE
-from fractus.train import make_optimizer, micro_steps, set_active_blocks
+from fractus.training.loop import make_optimizer, micro_steps, set_active_blocks
 
 
 def random_batches(g: torch.Generator, vocab_size: int, batch_size: int, chunk_len: int, accum: int):
-    """``accum`` micro-batches of uniform random tokens as :func:`fractus.train.micro_steps` takes
+    """``accum`` micro-batches of uniform random tokens as :func:`fractus.training.loop.micro_steps` takes
     them: (x [B, C], next tokens y [B, C], False: no stream reset)."""
     for _ in range(accum):
         x = torch.randint(0, vocab_size, (batch_size, chunk_len + 1), generator=g)
@@ -24,7 +24,7 @@ def random_batches(g: torch.Generator, vocab_size: int, batch_size: int, chunk_l
 
 class TrainingStep:
     """The trainer's optimizer step on random tokens: ``forward_backward(i)`` runs step ``i``'s
-    micro-steps (:func:`fractus.train.micro_steps`, the state carried from the step before; with
+    micro-steps (:func:`fractus.training.loop.micro_steps`, the state carried from the step before; with
     ``active_blocks``, PGSU's blocks for step ``i``) and says whether their loss was finite,
     ``update()`` the optimizer's step; ``config`` and ``model`` are the model's."""
 

@@ -112,8 +112,8 @@ def kernels_of(module) -> dict:
 
 
 def kernel_names(op: str) -> set[str]:
-    """The names of ``fractus.kernels.<op>``'s Triton kernels: what a complete capture of the op compiles."""
-    return set(kernels_of(importlib.import_module(f"fractus.kernels.{op}")))
+    """The names of ``fractus.ops.<op>``'s Triton kernels: what a complete capture of the op compiles."""
+    return set(kernels_of(importlib.import_module(f"fractus.ops.{op}")))
 
 
 @contextmanager
@@ -148,7 +148,7 @@ def _run_linear_attention(dtype):
     (level, head) with and without the denominator; a decay per position, its gradient too), its
     forward without gradients, and the decode kernel (with and without the denominator, and with a
     decay per position)."""
-    from fractus.kernels import linear_attention as la
+    from fractus.ops import linear_attention as la
     from fractus.model import level_omegas
     from fractus.verify.cases import attention_case
     H, D, Lv = 8, 64, 2
@@ -185,7 +185,7 @@ def _run_linear_attention(dtype):
 def _run_moe(dtype):
     """Low-rank and dense experts forward and backward, in the tokens' dtype and (below fp32) as
     the fp32 masters the model passes under autocast; and the forward alone."""
-    from fractus.kernels import moe
+    from fractus.ops import moe
     from fractus.verify.cases import moe_case
     for lowrank, d, E, F, r in ((True, 1280, 16, 2048, 64), (False, 512, 8, 512, 0)):
         x, idx, w, ex = moe_case(300, d, E, F, r, 2, lowrank=lowrank, dtype=dtype)
@@ -197,7 +197,7 @@ def _run_moe(dtype):
 
 
 def _run_cross_entropy(dtype):
-    from fractus.kernels import cross_entropy as ce
+    from fractus.ops import cross_entropy as ce
     from fractus.verify.cases import cross_entropy_case
     h, W, t = cross_entropy_case(300, 1280, 50257, dtype=dtype)
     for positions, softcap in ((None, None), (torch.arange(0, 300, 7), 30.0)):
@@ -208,7 +208,7 @@ def _run_cross_entropy(dtype):
 def _run_kuramoto(dtype):
     if dtype != torch.float32:  # the clock always runs in fp32, whatever the model's dtype
         return
-    from fractus.kernels.kuramoto import kuramoto_phase
+    from fractus.ops.kuramoto import kuramoto_phase
     from fractus.verify.cases import kuramoto_case
     for grad in (True, False):  # training (forward and backward) and a decode step (no graph)
         args, dy = kuramoto_case(torch.device("cpu"), small=not grad)
@@ -244,8 +244,8 @@ def _run_timings():
     backward on chunks of 64: the chunk count is an argument Triton specialises on divisibility by
     16) and its decode step; the 1b experts at each token count (low-rank) and at the first (dense),
     forward alone and forward+backward; the 1b head's loss, forward+backward."""
-    from fractus.kernels import cross_entropy as ce
-    from fractus.kernels import moe
+    from fractus.ops import cross_entropy as ce
+    from fractus.ops import moe
     from fractus.verify import cases
     shape = cases.ATTENTION_GPU
     for recurrence in cases.RECURRENCES:
@@ -278,7 +278,7 @@ def _run_offsets():
 # what the GPU suite launches beside the ops' and the presets' steps: (module, what to run); every
 # module of the module's package is captured. The baseline it times side by side (when installed),
 # its timings' own launches and the checks at offsets past 2³¹ elements.
-EXTRAS = {"fla": ("fla.ops.simple_gla", _run_fla), "timings": ("fractus.kernels.linear_attention", _run_timings),
+EXTRAS = {"fla": ("fla.ops.simple_gla", _run_fla), "timings": ("fractus.ops.linear_attention", _run_timings),
           "offsets": ("fractus.verify.offsets", _run_offsets)}
 PRESETS = ("palier0", "palier1", "palier2", "palier3", "1b")
 
@@ -292,7 +292,7 @@ def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int 
     scored). ``steps=0``: generation as the GPU suite times it instead. ``overrides`` go to the config."""
     from fractus.model import FractusConfig, FractusCTE
     from fractus.verify.cases import GEN_PROMPT
-    from fractus.train import autocast, micro_steps, set_active_blocks
+    from fractus.training.loop import autocast, micro_steps, set_active_blocks
     cfg = FractusConfig.preset(preset, backend="triton", **overrides)
     torch.manual_seed(0)
     model = FractusCTE(cfg)
@@ -315,10 +315,10 @@ def launches(ops=tuple(OPS), dtypes=SUITE_DTYPES, presets=(), extras=()) -> list
     """Run each op's Triton path forward and backward, and each of ``presets`` (a preset's name,
     or (name, :func:`_run_model`'s keywords)), on CPU with launches captured; then each of
     ``extras`` whose module is installed (op ``extra[name]``)."""
-    from fractus.kernels import backend
+    from fractus.ops import common as backend
     out: list[Launch] = []
     for op in ops:
-        module = importlib.import_module(f"fractus.kernels.{op}")
+        module = importlib.import_module(f"fractus.ops.{op}")
         for dtype in dtypes:
             with capture(module, op, dtype, out), triton_on_cpu(backend):
                 OPS[op](dtype)
@@ -349,10 +349,10 @@ def launches(ops=tuple(OPS), dtypes=SUITE_DTYPES, presets=(), extras=()) -> list
 def capture_model(op: str, launches: list[Launch]):
     """Every op's kernels captured (the clock's as fp32: it runs in fp32 under autocast; the
     others bf16) and the Triton path forced on CPU: what a bf16 model step launches."""
-    from fractus.kernels import backend
+    from fractus.ops import common as backend
     with ExitStack() as stack:
         for name in OPS:
-            module = importlib.import_module(f"fractus.kernels.{name}")
+            module = importlib.import_module(f"fractus.ops.{name}")
             stack.enter_context(capture(module, op, torch.float32 if name == "kuramoto" else torch.bfloat16,
                                         launches))
         stack.enter_context(triton_on_cpu(backend))
@@ -594,6 +594,6 @@ def _line(row: dict) -> str:
 
 def check_environment() -> None:
     """Raise unless the kernels are real JIT functions (Triton's interpreter is off)."""
-    from fractus.kernels.backend import interpreting
+    from fractus.ops.common import interpreting
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs real JIT kernels: unset TRITON_INTERPRET")

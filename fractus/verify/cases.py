@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from fractus.kernels import linear_attention as la_kernels
-from fractus.kernels.linear_attention import linear_attention
+from fractus.ops import linear_attention as la_kernels
+from fractus.ops.linear_attention import linear_attention
 from fractus.model import level_omegas, multiscale_decays
 
 GEN_PROMPT = list(range(1, 17))  # generation's prompt (16 tokens)

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 
 import torch
 
-from fractus.kernels.cross_entropy import linear_cross_entropy
-from fractus.kernels.kuramoto import kuramoto_phase, kuramoto_phase_reference
-from fractus.kernels.linear_attention import linear_attention
-from fractus.kernels.moe import moe
+from fractus.ops.cross_entropy import linear_cross_entropy
+from fractus.ops.kuramoto import kuramoto_phase, kuramoto_phase_reference
+from fractus.ops.linear_attention import linear_attention
+from fractus.ops.moe import moe
 from fractus.model import level_omegas
 from fractus.verify.checks import check_rows, error_row
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fractus.bench import costmodel as cm
-from fractus.bench import optimizations as O
-from fractus.bench import probes as PR
+from fractus.experiments import optimizations as O
+from fractus.experiments import probes as PR
 from fractus.bench import profile as P
 from fractus.model import FractusConfig, FractusCTE
 
@@ -365,8 +365,8 @@ def test_ablation_keeps_the_rows_already_measured(tmp_path):
     """A rerun keeps each (variant, seed) already in the CSV for the same changes, rate, batch and
     tokens and trains only what is missing (here nothing: no worker is needed, and no data); a row
     at another rate, or one without its rate, is not kept."""
-    from fractus.bench import architecture as A
-    from fractus.records import append_csv
+    from fractus.experiments import architecture as A
+    from fractus.training.records import append_csv
     vs = A.variants("tiny")[:2]
     csv = tmp_path / "ablation.csv"
     for v in vs:
@@ -375,7 +375,7 @@ def test_ablation_keeps_the_rows_already_measured(tmp_path):
                          "seed": 0, "tokens": A.trained_tokens(5000), "val_ce": 5.0 + len(v.changes), "train_s": 1.0})
     rows = A.run(vs, tmp_path / "no-data", 5000, seeds=(0,), csv=csv, workers=1, log=lambda s: None)
     assert rows["variant"].tolist() == [v.name for v in vs] and rows["val_ce"].tolist() == [5.0, 6.0]
-    from fractus.resume import ADAMW_LR
+    from fractus.training.resume import ADAMW_LR
     assert vs[0].lr == ADAMW_LR["original"] and vs[0].preset == "original-tiny"  # the original's tuned rate
     for lr in (2 * vs[0].lr, None):
         stale = tmp_path / f"stale-{lr}.csv"

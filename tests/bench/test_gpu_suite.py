@@ -363,7 +363,7 @@ def test_the_correctness_stages_run_with_poisoned_outputs(tmp_path, monkeypatch)
     import time
 
     from fractus.bench import cross_entropy, gpu
-    from fractus.kernels import backend
+    from fractus.ops import common as backend
     seen = []
 
     def rows(device, smoke):

@@ -120,7 +120,7 @@ def test_captured_launches_keep_stand_ins_that_compile_as_their_tensors():
 import gc, weakref
 import torch
 from fractus.verify import aot
-from fractus.kernels import backend, linear_attention as la
+from fractus.ops import common as backend, linear_attention as la
 from fractus.model import level_omegas
 
 def captured():
@@ -302,7 +302,7 @@ def test_the_offsets_checks_precompile_at_sizes_specialised_alike():
     code = """
 import torch
 from fractus.verify import aot, offsets
-from fractus.kernels import backend, linear_attention as la
+from fractus.ops import common as backend, linear_attention as la
 from fractus.model import level_omegas
 names = {L.name for L in aot.launches(ops=(), extras=("offsets",))}
 assert names == set().union(*(aot.kernel_names(op) for op in aot.OPS)), names

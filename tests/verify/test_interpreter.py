@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fractus.kernels import backend
+from fractus.ops import common as backend
 from fractus.verify import interpret
 
 

@@ -11,12 +11,12 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import InterpreterError
 
-from fractus.kernels import backend
-from fractus.kernels import cross_entropy as ce_mod
-from fractus.kernels.cross_entropy import linear_cross_entropy
-from fractus.kernels.kuramoto import kuramoto_phase
-from fractus.kernels.linear_attention import linear_attention
-from fractus.kernels.moe import _block_m, _Route, moe
+from fractus.ops import common as backend
+from fractus.ops import cross_entropy as ce_mod
+from fractus.ops.cross_entropy import linear_cross_entropy
+from fractus.ops.kuramoto import kuramoto_phase
+from fractus.ops.linear_attention import linear_attention
+from fractus.ops.moe import _block_m, _Route, moe
 from fractus.verify import interpret
 from util import make_experts
 

@@ -1,0 +1,85 @@
+"""Backend choice shared by every op in :mod:`fractus.ops`.
+
+``"auto"`` runs Triton on CUDA tensors and the fast PyTorch path on CPU tensors.
+``"triton"`` on CPU tensors runs Triton's interpreter; it needs ``TRITON_INTERPRET=1``
+in the environment before :mod:`triton` is first imported (``tests/conftest.py`` sets it), and
+computes bf16 and tf32 there as a GPU does (:mod:`fractus.verify.interpret`).
+``"torch"`` and ``"reference"`` force the PyTorch paths.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import contextmanager
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_available(backend: str, device: torch.device | str) -> None:
+    """ValueError unless ``backend`` can run on ``device``: 'triton' off CUDA needs Triton's interpreter."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and torch.device(device).type != "cuda" and not interpreting():
+        raise ValueError("backend 'triton' on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                         "before triton is imported (tests/conftest.py does), or use 'auto' or 'torch'")
+
+
+def pick(backend: str, x: torch.Tensor) -> str:
+    """Resolve ``backend`` for an op whose main input is ``x``; returns 'triton', 'torch' or 'reference'."""
+    check_available(backend, x.device)
+    if backend == "auto":
+        return "triton" if x.is_cuda else "torch"
+    if backend == "triton" and not x.is_cuda:
+        from fractus.verify import interpret  # imports Triton's interpreter: only when it runs
+        interpret.install()
+    return backend
+
+
+def dot_precision(x: torch.Tensor) -> str:
+    """``tl.dot``'s input_precision for inputs like x: IEEE for fp32 (TF32 would cost ~1e-3
+    relative error), "tf32" otherwise (fp16/bf16 dots ignore it)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+_POISON = False
+
+
+@contextmanager
+def poisoned(on: bool = True):
+    """Inside the block :func:`empty` fills new buffers with NaN, so that elements a kernel leaves
+    unwritten fail the checks (the tests, the GPU suite's correctness stages); ``on=False`` leaves
+    them untouched (the address checks' buffers past 2³¹ elements, whose pages must stay unused)."""
+    global _POISON
+    before, _POISON = _POISON, on
+    try:
+        yield
+    finally:
+        _POISON = before
+
+
+def empty(*shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs; NaN-filled while poisoning is on."""
+    out = torch.empty(*shape, dtype=dtype, device=device)
+    if _POISON and out.is_floating_point():
+        out.fill_(float("nan"))
+    return out
+
+
+def first_order_only(backward):
+    """Decorate a hand-written autograd backward: with ``create_graph=True`` (grad mode on inside
+    the backward) raise, instead of returning gradients that a second derivative would treat as
+    constants (``once_differentiable`` misses that case when the incoming gradient is constant)."""
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{type(ctx).__name__}: second derivatives (create_graph=True) are not supported "
+                               "by this kernel's hand-written backward; use backend='reference'")
+        return backward(ctx, *grads)
+    return checked

@@ -1,0 +1,125 @@
+"""The memory measurements: the MQAR generator (deterministic, keys then queries, loss only at the
+queried positions), recall learnt by a small attention model, and the position and reset curves."""
+import pandas as pd
+import pytest
+import torch
+
+from fractus.experiments import memory as M
+from fractus.baseline import Transformer, TransformerConfig
+from fractus.model import FractusConfig, FractusCTE
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_mqar_is_deterministic_and_scores_only_the_queries():
+    x, y = M.mqar(50, 40, 6, 64, seed=3)
+    x2, y2 = M.mqar(50, 40, 6, 64, seed=3)
+    assert torch.equal(x, x2) and torch.equal(y, y2) and not torch.equal(x, M.mqar(50, 40, 6, 64, seed=4)[0])
+    for xs, ys in zip(x, y):
+        keys, values = xs[0:12:2], xs[1:12:2]
+        assert len(set(keys.tolist())) == 6 and (keys >= 1).all() and (keys < 32).all() and (values >= 32).all()
+        scored = (ys != -100).nonzero().flatten()
+        assert len(scored) == 6 and (scored >= 12).all()  # each key queried once, after the pairs
+        for t in scored:  # the query is the key, the target its value
+            i = keys.tolist().index(int(xs[t]))
+            assert ys[t] == values[i]
+        rest = torch.ones(40, dtype=torch.bool)
+        rest[:12] = False
+        rest[scored] = False
+        assert (xs[rest] == 0).all()  # filler elsewhere
+    with pytest.raises(ValueError, match="do not fit"):
+        M.mqar(1, 10, 4, 64, seed=0)
+
+
+def test_a_small_attention_model_learns_two_pair_recall():
+    run = M.train_recall(M.RecallModel("t", kind="transformer"), 3e-3, 0, d_model=32, steps=600, batch=64, vocab=32,
+                         n_test=500, mix=((12, 2),), tests=((12, 2), (16, 2)), curve_points=12, n_probe=100)
+    rows, curve = run.rows, run.curve
+    assert [(r["seq_len"], r["pairs"], r["trained_on"]) for r in rows] == [(12, 2, True), (16, 2, False)]
+    assert rows[0]["params"] < 30_000 and rows[0]["accuracy"] > 0.9, rows
+    # the learning curve: 12 held-out points, rising from chance to the learnt task, still rising over
+    # the last quarter (steps 450–600) by more than the rule allows: not settled at this budget
+    assert [c["step"] for c in curve] == list(range(50, 601, 50)) and all(c["model"] == "t" for c in curve)
+    assert curve[0]["probe_accuracy"] < 0.5 < 0.9 < curve[-1]["probe_accuracy"], curve
+    tail = [c["probe_accuracy"] for c in curve[8:]]
+    assert rows[0]["probe_change"] == max(tail) - min(tail) > 0.02 and not rows[0]["settled"]
+
+
+def test_the_transformers_short_convolution_is_causal():
+    torch.manual_seed(0)
+    tf = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=2, context=20, short_conv=4))
+    x = torch.randint(0, 50, (2, 20))
+    y = x.clone()
+    y[:, 12:] = (y[:, 12:] + 1) % 50
+    a, b = tf(x)[0], tf(y)[0]
+    assert torch.allclose(a[:, :12], b[:, :12], atol=1e-6) and not torch.allclose(a[:, 12], b[:, 12])
+    with pytest.raises(ValueError, match="short_conv"):
+        TransformerConfig(short_conv=1)
+
+
+def test_chance_is_the_floor_before_training():
+    model = M.RecallModel("default").build(32, 1, 64, 24)
+    assert M.recall_accuracy(model, 24, 4, 64, 200) < 0.2  # 32 values: chance 1/32
+
+
+def test_position_and_reset_curves():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (2001,)).numpy()
+    cte = FractusCTE(FractusConfig.preset("tiny", vocab_size=50))
+    short = M.window_losses(cte, tokens, 25, batch=7)  # 80 windows, read cold, in batches
+    assert short.shape == (80, 25) and torch.allclose(short, M.token_losses(cte, tokens, 80, 25, carried=False))
+    long = M.token_losses(cte, tokens, 4, 25)  # 4 streams of 500, the state carried
+    rows = M.ce_by_position(cte, tokens, 4, 25, window=25, buckets=(0, 16, 64, 256))
+    assert [(r["bucket_lo"], r["bucket_hi"], r["tokens"]) for r in rows] == [
+        (0, 16, 80 * 16), (16, 64, 80 * 9 + 4 * 39), (64, 256, 4 * 192), (256, 500, 4 * 244)]
+    assert abs(rows[1]["ce"] - float(torch.cat([short[:, 16:].flatten(), long[:, 25:64].flatten()]).mean())) < 1e-5
+    assert abs(rows[3]["ce"] - float(long[:, 256:].mean())) < 1e-5
+    resets = M.ce_with_resets(cte, tokens, 4, 25, resets=(25, 100, 1000))
+    assert [r["reset"] for r in resets] == [None, 25, 100]  # 1000 > a stream's 500 tokens
+    assert abs(resets[0]["ce"] - float(long.mean())) < 1e-6
+    tf = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=1, context=25))
+    rows = M.ce_by_position(tf, tokens, 4, 25, window=25, buckets=(0, 16, 64))
+    assert [(r["bucket_lo"], r["bucket_hi"]) for r in rows] == [(0, 16), (16, 25)]  # within its context
+
+
+def test_the_recall_grid_trains_until_settled_and_keeps_finished_runs(tmp_path):
+    csv, log = tmp_path / "recall_cpu.csv", []
+    kw = dict(d_model=32, steps=4, vocab=32, batch=8, n_test=50, mix=((12, 2), (16, 3)), tests=((16, 3), (24, 4)),
+              curve_points=4, n_probe=20)
+    jobs = [("transformer", 3e-3, 0), ("default", 3e-3, 0)]
+    rows = M.run_recall(jobs, csv, workers=1, log=log.append, max_steps=8, **kw)
+    assert rows["git_sha"].notna().all() and set(rows["model"]) == {"default", "transformer"}
+    assert list(rows["trained_on"][:2]) == [True, False]  # a row per test setting, in the mix or not
+    budgets = M.recall_budgets(csv)  # a run that had not settled at 4 steps trained again at 8, then stopped
+    for b in budgets.values():
+        assert set(b) in ({4}, {4, 8}) and (b[4] or set(b) == {4, 8}), budgets
+    curves = pd.read_csv(tmp_path / "recall_curves_cpu.csv")
+    assert len(curves) == sum(len(b) for b in budgets.values()) * 4  # 4 points a run
+    read = M.settled_reading(rows)
+    assert len(read) == 4 and all(read.groupby("model")["steps"].nunique() == 1)
+    again = M.run_recall(jobs, csv, workers=1, log=log.append, max_steps=8, **kw)
+    assert len(again) == len(rows) and log[-1] == f"2 of 2 recall runs kept from {csv}"
+    assert M.pending_budget({4: False, 8: False}, 4, 16) == 16 and M.pending_budget({4: True}, 4, 16) is None
+
+
+def test_the_recall_cli_refuses_bad_input(capsys):
+    for argv in (["recall", "--models", "nope"], ["recall", "--lrs", "-1"], ["recall", "--steps", "0"], []):
+        with pytest.raises(SystemExit) as e:
+            M.main(argv)
+        assert e.value.code == 2
+
+
+@pytest.mark.parametrize("recall_model", M.RECALL_MODELS, ids=lambda m: m.name)
+def test_every_recall_model_is_what_its_name_says(recall_model):
+    """Each model of the grid builds at a small width with its changes applied and reads a batch."""
+    model = recall_model.build(32, 1, 64, 24)
+    changes = dict(recall_model.changes)
+    if recall_model.kind == "transformer":
+        assert isinstance(model, Transformer) and model.cfg.short_conv == changes.get("short_conv", 0)
+    else:
+        base = FractusConfig.preset(recall_model.preset, vocab_size=64)
+        assert all(getattr(model.cfg, k) == v for k, v in changes.items())
+        assert all(getattr(model.cfg, k) == getattr(base, k) for k in ("decay_gate", "short_conv", "attn_norm",
+                   "attn_window", "n_levels", "router", "attn_update") if k not in changes)
+    x, _ = M.mqar(2, 24, 4, 64, seed=0)
+    assert model(x)[0].shape == (2, 24, 64)
