@@ -4,7 +4,7 @@ The baseline of the linear-attention literature (RetNet, GLA, DeltaNet, Mamba): 
 causal multi-head softmax attention with rotary positions (RoPE) and a SwiGLU MLP, RMSNorm, no
 biases, a final RMSNorm and a head tied to the embedding; Llama's / GPT-2's initialisation. It
 carries no state: it reads at most ``context`` tokens at a time, and is scored on a split with
-sliding windows (:func:`fractus.training.loop.evaluate_text`). Its interface is the CTE's (``forward(idx, state,
+sliding windows (:func:`fractus.training.evaluation.evaluate_text`). Its interface is the CTE's (``forward(idx, state,
 targets, head_positions)`` → (logits, parts, state), ``generate``, ``save``), so the trainer, the
 evaluation and the sampler serve both (``python -m fractus.train --model transformer …``); its loss is
 the same fused tied-head cross-entropy.
@@ -14,16 +14,17 @@ Shapes: B sequences, T ≤ context positions, d = d_model, H heads of D = head_d
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fractus.layers import (ShortConv, autocast_input, check_config_keys, check_fields, check_token_ids,
+                            int_at_least, is_finite_number, one_of, prompt_tensor, sample_loop)
 from fractus.ops.common import BACKENDS
 from fractus.ops.cross_entropy import linear_cross_entropy
-from fractus.model import (ShortConv, _finite, _int_min, _one_of, check_fields, check_token_ids, next_token,
-                           prompt_tensor, rope_tables, rotate)
+from fractus.ops.window_attention import rope_tables, rotate
 
 
 @dataclass
@@ -39,7 +40,7 @@ class TransformerConfig:
     backend: str = "auto"  # the cross-entropy kernel's backend
 
     def __post_init__(self):
-        check_fields(self, _FIELD_CHECKS)
+        check_fields(self, FIELD_CHECKS)
         if self.d_model % self.head_dim or self.head_dim % 2:
             raise ValueError(f"d_model {self.d_model} must be a multiple of head_dim {self.head_dim}, itself even (RoPE)")
         if self.short_conv == 1:
@@ -57,17 +58,14 @@ class TransformerConfig:
     @classmethod
     def from_saved(cls, d: dict) -> "TransformerConfig":
         """The config a checkpoint saved as ``d`` (missing fields: the defaults)."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown config keys {sorted(map(str, unknown))}; the fields are {sorted(known)}")
+        check_config_keys(cls, d)
         return cls(**d)
 
 
-_FIELD_CHECKS = {  # field → (what it must be, check), as FractusConfig's
-    "vocab_size": _int_min(1), "d_model": _int_min(1), "head_dim": _int_min(1), "n_layers": _int_min(1),
-    "context": _int_min(1), "d_ff": _int_min(0), "short_conv": _int_min(0),
-    "rope_base": ("a finite number > 1", lambda v: _finite(v) and v > 1), "backend": _one_of(*BACKENDS),
+FIELD_CHECKS = {  # field → (what it must be, check), as FractusConfig's
+    "vocab_size": int_at_least(1), "d_model": int_at_least(1), "head_dim": int_at_least(1),
+    "n_layers": int_at_least(1), "context": int_at_least(1), "d_ff": int_at_least(0), "short_conv": int_at_least(0),
+    "rope_base": ("a finite number > 1", lambda v: is_finite_number(v) and v > 1), "backend": one_of(*BACKENDS),
 }
 
 
@@ -79,16 +77,88 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.conv = ShortConv(3 * cfg.d_model, cfg.short_conv) if cfg.short_conv else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "LayerCache | None" = None,
+                window: int | None = None) -> torch.Tensor:
         """x [B, T, d] → [B, T, d]: causal softmax attention, q and k rotated by position (q, k, v
-        through a short causal convolution first when ``short_conv``)."""
+        through a short causal convolution first when ``short_conv``). With ``cache`` (decoding:
+        cos, sin are the T new positions'), the new keys and values are appended to it and the
+        queries attend to every cached position — the last ``window`` of them when given."""
         B, T, d = x.shape
         qkv = self.qkv(x)
         if self.conv is not None:
-            qkv = self.conv(qkv, None)[0]
+            qkv, tail = self.conv(qkv, None if cache is None else cache.conv)
+            if cache is not None:
+                cache.conv = tail
         q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            keys, values, mask = cache.append(k, v, window)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None)
         return self.out(y.transpose(1, 2).reshape(B, T, d))
+
+
+class LayerCache:
+    """One layer's keys and values [B, H, L, D] (rotated at their absolute positions), its short
+    convolution's last inputs, and the absolute position of each held key. The buffers grow by
+    doubling, so a token's append costs O(1) amortised; with a window W, keys older than the last
+    W − 1 are dropped when the buffer fills (it holds at most 2W)."""
+
+    def __init__(self):
+        self.keys = self.values = self.conv = None
+        self.length = 0  # keys held
+        self.start = 0  # absolute position of the first held key
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, window: int | None):
+        """Add T new keys and values [B, H, T, D]; (keys, values [B, H, L, D] held, boolean mask
+        [T, L]: query i sees key j when j is at or before i's position and within ``window``, or
+        None where that is plain causal attention over the T new keys alone)."""
+        B, H, T, D = k.shape
+        if self.keys is None:
+            cap = max(T, 2 * window if window else 64)
+            self.keys, self.values = k.new_empty(B, H, cap, D), v.new_empty(B, H, cap, D)
+        if window and self.length + T > self.keys.shape[2] and self.length >= window:
+            keep = window - 1  # the last W − 1 keys are all a later query can see besides its own
+            self.keys[:, :, :keep] = self.keys[:, :, self.length - keep:self.length].clone()
+            self.values[:, :, :keep] = self.values[:, :, self.length - keep:self.length].clone()
+            self.start += self.length - keep
+            self.length = keep
+        if self.length + T > self.keys.shape[2]:
+            cap = max(2 * self.keys.shape[2], self.length + T)
+            grow = lambda t: torch.cat([t[:, :, :self.length], t.new_empty(B, H, cap - self.length, D)], 2)
+            self.keys, self.values = grow(self.keys), grow(self.values)
+        self.keys[:, :, self.length:self.length + T] = k
+        self.values[:, :, self.length:self.length + T] = v
+        self.length += T
+        L = self.length
+        q_pos = torch.arange(self.start + L - T, self.start + L, device=k.device)[:, None]
+        k_pos = torch.arange(self.start, self.start + L, device=k.device)[None]
+        mask = k_pos <= q_pos
+        if window:
+            mask &= q_pos - k_pos < window
+        if self.start == 0 and L == T and (not window or T <= window):
+            mask = None  # a first read within the window: plain causal attention, no [T, T] mask formed
+        return self.keys[:, :, :L], self.values[:, :, :L], mask
+
+    def nbytes(self) -> int:
+        """The bytes of the keys and values held (not the buffers' spare room) and of the convolution's tail."""
+        held = 0 if self.keys is None else 2 * self.keys[:, :, :self.length].numel() * self.keys.element_size()
+        return held + (0 if self.conv is None else self.conv.numel() * self.conv.element_size())
+
+
+class KVCache:
+    """The Transformer++'s decoding state: a :class:`LayerCache` per block, the positions read so
+    far, and the window (None: every position is kept — the full cache; W: the last W, a
+    sliding cache)."""
+
+    def __init__(self, n_layers: int, window: int | None = None):
+        self.layers = [LayerCache() for _ in range(n_layers)]
+        self.position = 0
+        self.window = window
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
 
 
 class SwiGLU(nn.Module):
@@ -110,8 +180,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.norm_attn(x), cos, sin)
+    def forward(self, x, cos, sin, cache: LayerCache | None = None, window: int | None = None):
+        x = x + self.attn(self.norm_attn(x), cos, sin, cache, window)
         return x + self.mlp(self.norm_mlp(x))
 
 
@@ -168,8 +238,7 @@ class Transformer(nn.Module):
             return F.linear(h, self.embed.weight), parts, None
         if targets.shape != (B, T):
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {(B, T)}")
-        if torch.is_autocast_enabled(h.device.type):
-            h = h.to(torch.get_autocast_dtype(h.device.type))
+        h = autocast_input(h)
         ce = linear_cross_entropy(h.reshape(B * T, -1), self.embed.weight, targets.reshape(-1),
                                   backend=self.cfg.backend)
         parts.update(ce=ce, loss=ce, n=(targets != -100).sum())
@@ -181,25 +250,70 @@ class Transformer(nn.Module):
         save_checkpoint(path, {"arch": "transformer", "config": self.cfg.to_dict(), "model": self.state_dict(),
                                **extra})
 
+    # -- decoding ---------------------------------------------------------------------------
+    CACHES = ("sliding", "full", "none")
+
+    def new_cache(self, cache: str = "sliding") -> KVCache:
+        """An empty decoding state: ``"full"`` keeps every position's keys and values, ``"sliding"``
+        the last ``context`` (the longest span the model was trained to read)."""
+        if cache not in ("sliding", "full"):
+            raise ValueError(f"cache must be 'sliding' or 'full', got {cache!r}")
+        return KVCache(self.cfg.n_layers, self.cfg.context if cache == "sliding" else None)
+
+    @torch.no_grad()
+    def extend(self, idx: torch.Tensor, cache: KVCache, block: int | None = None) -> torch.Tensor:
+        """Read idx [B, T] after the positions ``cache`` holds (appending theirs to it): the logits
+        [B, T, V], rotary positions continuing from the cache's. A prompt is read in one forward
+        (a sliding cache's in blocks of its window, ``block`` to change that); decoding is T = 1."""
+        check_token_ids(idx, self.cfg.vocab_size)
+        B, T = idx.shape
+        block = block or (cache.window if cache.window else T)
+        if T > block:
+            return torch.cat([self.extend(idx[:, i:i + block], cache) for i in range(0, T, block)], 1)
+        cos, sin = rope_positions(cache.position, T, self.cfg.head_dim, idx.device, self.cfg.rope_base)
+        h = self.embed(idx)
+        for block_, layer in zip(self.blocks, cache.layers):
+            h = block_(h, cos, sin, layer, cache.window)
+        cache.position += T
+        return F.linear(self.norm_f(h), self.embed.weight)
+
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, repetition_penalty: float = 1.0, seed: int | None = None) -> list[int]:
-        """As :meth:`fractus.model.FractusCTE.generate` (the same checks), reading the last
-        ``context`` tokens at each step."""
-        ids = prompt_tensor(prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
-                            self.cfg.vocab_size, self.embed.weight.device)
-        gen = torch.Generator(device=ids.device)
-        gen.manual_seed(seed) if seed is not None else gen.seed()
+                 top_p: float | None = None, repetition_penalty: float = 1.0, seed: int | None = None,
+                 cache: str = "sliding") -> list:
+        """As :meth:`fractus.model.FractusCTE.generate` (the same arguments, checks and batching).
+        The prompt is read in one forward into a KV cache, then one token at a time: ``cache``
+        "sliding" keeps the last ``context`` positions (the span the model was trained on; within it,
+        the same as attending to everything), "full" every position, "none" keeps nothing and reads
+        the last ``context`` tokens again for every token (what a model without a cache pays)."""
+        if cache not in self.CACHES:
+            raise ValueError(f"cache must be one of {self.CACHES}, got {cache!r}")
+        ids, batched = prompt_tensor(prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+                                     self.cfg.vocab_size, self.embed.weight.device, seed)
         was = self.training
         self.eval()
-        seen = torch.zeros(self.cfg.vocab_size, dtype=torch.bool, device=ids.device)
-        seen[ids] = True
-        out = []
-        for _ in range(max_new_tokens):
-            logits = self(ids[-self.cfg.context:].view(1, -1))[0][0, -1]
-            nxt = next_token(logits.float(), temperature, top_k, top_p, repetition_penalty, seen, gen)
-            out.append(nxt)
-            seen[nxt] = True
-            ids = torch.cat([ids, ids.new_tensor([nxt])])
+        if cache == "none":
+            seq = ids
+
+            def step(tokens):
+                nonlocal seq
+                seq = torch.cat([seq, tokens[:, None]], 1)
+                return self(seq[:, -self.cfg.context:])[0][:, -1]
+            logits = self(ids[:, -self.cfg.context:])[0][:, -1]
+        else:
+            kv = self.new_cache(cache)
+            logits = self.extend(ids, kv)[:, -1]
+
+            def step(tokens):
+                return self.extend(tokens[:, None], kv)[:, -1]
+        out = sample_loop(logits, step, ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed)
         self.train(was)
-        return out
+        return out if batched else out[0]
+
+
+def rope_positions(start: int, T: int, D: int, device, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D/2] of positions start … start + T − 1: the rows of
+    :func:`fractus.ops.window_attention.rope_tables`, without computing the ones before."""
+    inv = base ** (-torch.arange(0, D, 2, device=device, dtype=torch.float64) / D)
+    angle = torch.arange(start, start + T, device=device, dtype=torch.float64)[:, None] * inv
+    return angle.cos().float(), angle.sin().float()

@@ -7,7 +7,9 @@ reported rather than loaded; a file that is no zip archive is not read at all.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import pickle
 import zipfile
 from pathlib import Path
@@ -92,6 +94,8 @@ def check_model_state(model: torch.nn.Module, state: dict, source="checkpoint") 
     unexpected = sorted(set(state) - set(own))
     shapes = [f"{k}: {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
               for k in own if k in state and state[k].shape != own[k].shape]
+    shapes += [f"{k}: {state[k].dtype} vs model {own[k].dtype}" for k in own if k in state
+               and own[k].is_floating_point() and not (torch.is_tensor(state[k]) and state[k].is_floating_point())]
     if missing or unexpected or shapes:
         msg = [f"{source} does not match this model's config:"]
         if missing:
@@ -99,7 +103,7 @@ def check_model_state(model: torch.nn.Module, state: dict, source="checkpoint") 
         if unexpected:
             msg.append(f"unexpected {len(unexpected)} tensors, e.g. {unexpected[:3]}")
         if shapes:
-            msg.append(f"{len(shapes)} shape mismatches, e.g. {shapes[:3]}")
+            msg.append(f"{len(shapes)} shape or type mismatches, e.g. {shapes[:3]}")
         raise CheckpointError("; ".join(msg))
     return state
 
@@ -112,6 +116,42 @@ def check_finite(state: dict, source="checkpoint") -> None:
                               f"e.g. {bad[:3]}")
 
 
+def parameter_count(model_cls, cfg) -> int:
+    """The parameters of ``model_cls(cfg)``, counted on the meta device from one and two blocks
+    (nothing allocated, whatever the size)."""
+    with torch.device("meta"):
+        one = model_cls(dataclasses.replace(cfg, n_layers=1)).num_params()
+        two = model_cls(dataclasses.replace(cfg, n_layers=2)).num_params()
+    return one + (cfg.n_layers - 1) * (two - one)
+
+
+def available_bytes(device="cpu") -> int:
+    """Memory a new tensor may take: the GPU's free memory, or the host's available memory
+    (``MemAvailable`` of /proc/meminfo; physical memory where that is absent)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(model_cls, cfg, what: str = "the model", device="cpu") -> int:
+    """ValueError unless ``model_cls(cfg)``'s fp32 weights fit the memory ``device`` has free
+    (training needs about four times that: gradients and AdamW's two moments); the parameter count."""
+    n = parameter_count(model_cls, cfg)
+    need, have = 4 * n, available_bytes(device)
+    if need > have:
+        raise ValueError(f"{what} has {n:,} parameters: {need / 2 ** 30:,.1f} GiB of fp32 weights alone, more than "
+                         f"the {have / 2 ** 30:,.1f} GiB free on {torch.device(device).type}: choose a smaller config")
+    return n
+
+
 def model_from_checkpoint(ckpt: dict, path, model_cls, cfg_cls, backend: str | None = None) -> torch.nn.Module:
     """``model_cls(cfg_cls.from_saved(ckpt["config"]))`` with the checkpoint's weights; ``backend``
     replaces the kernels' backend it was saved with. CheckpointError naming ``path`` for a config
@@ -120,6 +160,7 @@ def model_from_checkpoint(ckpt: dict, path, model_cls, cfg_cls, backend: str | N
         cfg = cfg_cls.from_saved({**ckpt["config"], **({"backend": backend} if backend else {})})
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: its config is not a valid one ({e})") from None
+    check_fits(model_cls, cfg, f"{path}'s model")
     model = model_cls(cfg)
     load_model_state(model, ckpt["model"], path)
     return model

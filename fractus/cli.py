@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+from fractus.checkpoint import CheckpointError
+
 
 def number(kind: type, test, what: str):
     """An argparse type: a ``kind`` that passes ``test`` (``what`` says how), finite if a float."""
@@ -54,7 +56,6 @@ def run_command(body, errors: tuple = (), interrupted: str = "interrupted") -> N
     - a reader that closed standard output (``… | head``): quietly, exit 141 (128 + SIGPIPE), as a
       tool killed by SIGPIPE.
     What a tool wrote is written atomically, so none of these leaves a half-written file."""
-    from fractus.checkpoint import CheckpointError
     try:
         body()
         sys.stdout.flush()  # a closed pipe shows here at the latest

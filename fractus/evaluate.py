@@ -2,7 +2,7 @@
 
 Cross-entropy in nats/token, bits per byte and perplexity of the checkpoint's model on a split
 prepared by :mod:`fractus.data`, read as the trainer's own validation reads it
-(:func:`fractus.training.loop.evaluate_text`): a CTE as ``--streams`` contiguous streams of
+(:func:`fractus.training.evaluation.evaluate_text`): a CTE as ``--streams`` contiguous streams of
 ``--chunk-len``-token chunks, each starting from an empty attention state that is then carried; a
 Transformer++, which carries no state, in sliding windows of its context every half context,
 ``--streams`` windows at a time. ``--csv FILE`` appends the result as a row with its
@@ -25,7 +25,7 @@ from fractus.ops.common import BACKENDS
 from fractus.training.records import append_csv, csv_rows, provenance
 from fractus.training.registry import load_model
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-from fractus.training.loop import evaluate_text
+from fractus.training.evaluation import evaluate_text
 
 # eval: how the split was read, "carried" (a CTE's streams) or "sliding" (the Transformer++'s windows)
 COLUMNS = ("checkpoint", "data", "split", "eval", "streams", "chunk_len", "tokens", "ce", "bpb", "ppl")
@@ -36,7 +36,7 @@ def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "val", 
                         backend: str = "auto") -> dict:
     """{val_ce, val_bpb, val_ppl, val_tokens, val_read} of the checkpoint's model on ``split`` of ``data``
     (kernels: ``backend``, whatever the checkpoint was trained with), read as
-    :func:`fractus.training.loop.evaluate_text` reads it: ``val_read`` "carried" for a CTE, "sliding" for the
+    :func:`fractus.training.evaluation.evaluate_text` reads it: ``val_read`` "carried" for a CTE, "sliding" for the
     Transformer++. ValueError if the CE is not finite."""
     meta = load_meta(data)
     model = load_model(ckpt, backend=backend).to(device)

@@ -39,12 +39,15 @@ from fractus.checkpoint import CheckpointError, load_checkpoint, load_model_stat
 from fractus.cli import device_name, natural, non_negative, number, positive_int, run_command, seed_number
 from fractus.grow import grow
 from fractus.ops.common import BACKENDS, check_available
-from fractus.model import PRESETS, FractusConfig, FractusCTE, next_token
+from fractus.layers import next_token
+from fractus.model import PRESETS, FractusConfig, FractusCTE
 from fractus.training.records import append_csv, csv_rows, provenance
 from fractus.training.runs import RunInUse, check_metrics_record, remove_leftover_temps, run_lock, truncate_metrics
 from fractus.tokenizer import get_tokenizer
-from fractus.training.loop import (RESUME_HINT, Interrupted, NonFiniteLoss, Stop, lr_lambda, make_optimizer, parse_overrides, rng_state,
-                           set_rng_state)
+from fractus.training.optim import lr_lambda, make_optimizer
+from fractus.training.options import parse_overrides
+from fractus.training.steps import rng_state, set_rng_state
+from fractus.training.stopping import RESUME_HINT, Interrupted, NonFiniteLoss, Stop
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 SPLIT_SEED = 0  # the digits' train / held-out split: fixed, whatever the training seed
@@ -158,7 +161,7 @@ class VisionCTE(nn.Module):
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  state=None, stop_at_eot: bool = True) -> list[list[int]]:
         """Read each image (from ``state``: e.g. a text read before it), then write text tick by
-        tick with :func:`fractus.model.next_token` (temperature 0: greedy). Returns each image's new
+        tick with :func:`fractus.layers.next_token` (temperature 0: greedy). Returns each image's new
         token ids, up to ``max_new_tokens``; with ``stop_at_eot`` a row ends at its first EOT
         (left out)."""
         if max_new_tokens < 0:
@@ -376,7 +379,7 @@ def settings(args: dict) -> dict:
 
 def train(argv=None) -> dict:
     """``python -m fractus.vision train``: returns the final {val_ce, val_acc, …}. Raises
-    :class:`fractus.training.loop.Interrupted` after a SIGINT/SIGTERM stop (checkpoint saved)."""
+    :class:`fractus.training.stopping.Interrupted` after a SIGINT/SIGTERM stop (checkpoint saved)."""
     t_start = time.perf_counter()
     args = build_parser().parse_args(["train", *(argv or [])])
     return run(args, t_start)

@@ -1,5 +1,5 @@
 """Test set-up: Triton kernels run in the interpreter on CPU, computing bf16 and tf32 as a GPU does
-(:mod:`fractus.verify.interpret`), and outputs are NaN-poisoned. Under ``pytest -n N --dist
+(:mod:`fractus.ops.interpreter`), and outputs are NaN-poisoned. Under ``pytest -n N --dist
 loadfile`` (``make test``) the workers share the cores."""
 import os
 

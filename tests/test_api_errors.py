@@ -49,3 +49,27 @@ def test_integer_top_k_and_max_new_tokens_still_work(model, one_thread):
     """The valid neighbours of the cases above (not awaiting anything)."""
     out = model.generate([1, 2], 3, top_k=2, seed=0)
     assert len(out) == 3 and all(isinstance(t, int) for t in out)
+
+
+def test_a_state_is_checked_against_the_config_it_was_made_for(model, one_thread):
+    """Another model's state of the same batch size, an integer state, a state on another device:
+    a ValueError naming the tensor, not a RuntimeError from deep inside the attention."""
+    x = torch.ones(2, 3, dtype=torch.long)
+    other = FractusCTE(FractusConfig.preset("tiny", d_model=64, n_heads=2)).init_state(2)
+    ints = [tuple(t.long() for t in block) for block in model.init_state(2)]
+    meta = [tuple(t.to("meta") for t in block) for block in model.init_state(2)]
+    for state, msg in ((other, "the state of another model"), (ints, "a state holds floating-point"),
+                       (meta, "is on meta, the model on cpu")):
+        with pytest.raises(ValueError, match=msg):
+            model(x, state)
+    for token in (3, [1, 2], torch.ones(2, 1, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"step takes token ids as a \[B\] tensor"):
+            model.step(token, None)
+
+
+def test_a_model_too_large_for_memory_is_refused_before_it_is_allocated():
+    from fractus.checkpoint import check_fits, parameter_count
+    assert parameter_count(FractusCTE, FractusConfig.preset("tiny")) == FractusCTE(FractusConfig.preset("tiny")).num_params()
+    for over in ({"n_layers": 1_000_000}, {"vocab_size": 2 ** 44}, {"d_model": 131072, "n_heads": 2048}):
+        with pytest.raises(ValueError, match="GiB of fp32 weights alone, more than"):
+            check_fits(FractusCTE, FractusConfig.preset("palier0", **over))

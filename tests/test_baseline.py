@@ -6,7 +6,7 @@ import torch
 from fractus.baseline import Transformer, TransformerConfig
 from fractus.evaluate import evaluate_checkpoint
 from fractus.training.registry import load_model
-from fractus.training.loop import main, train
+from fractus.training.command import main, train
 from util import cli, make_corpus, metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,19 +97,6 @@ def test_transformer_plus_plus_shape_and_size():
     assert model.num_params() == 8192 * 128 + 2 * (4 * 128 ** 2 + 3 * 128 * 344 + 2 * 128) + 128 == 1_444_480
 
 
-def test_rope_scores_depend_on_relative_position_only():
-    """Rotated q·k is a function of the distance between positions: shifting both by s keeps it."""
-    from fractus.model import rope_tables, rotate
-    torch.manual_seed(0)
-    D = 16
-    cos, sin = rope_tables(40, D, "cpu")
-    q, k = torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D)
-
-    def score(tq, tk):
-        return float((rotate(q, cos[tq:tq + 1], sin[tq:tq + 1]) * rotate(k, cos[tk:tk + 1], sin[tk:tk + 1])).sum())
-    assert abs(score(7, 3) - score(30, 26)) < 1e-5 and abs(score(7, 3) - score(7, 5)) > 1e-3
-
-
 def test_input_checks_are_the_cte_s():
     """Token ids out of range, a state, and generate's arguments are refused as the CTE refuses them."""
     model = Transformer(TransformerConfig(vocab_size=50, d_model=32, head_dim=16, n_layers=1, context=8))
@@ -132,7 +119,7 @@ def test_sliding_windows_score_every_target_once_with_context():
     """The sliding reading scores each target of the split exactly once; each scored target outside
     the first window sees at least context/2 tokens; its CE equals the per-target CE of a forward
     over exactly that window."""
-    from fractus.training.loop import _windows, evaluate_text
+    from fractus.training.evaluation import evaluate_text, sliding_windows as _windows
     torch.manual_seed(0)
     tokens = torch.randint(0, 50, (203,)).numpy()
     context, stride = 16, 8

@@ -13,7 +13,7 @@ from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fractus.evaluate import main as evaluate_main
 from fractus.model import FractusConfig, FractusCTE
 from fractus.sample import main as sample_main
-from fractus.training.loop import main as train_main
+from fractus.training.command import main as train_main
 from util import cli, make_corpus
 
 UNREADABLE = "damaged, truncated or not a checkpoint"
@@ -240,3 +240,19 @@ def test_evaluate_refuses_a_csv_it_cannot_add_to_before_evaluating(data, tmp_pat
             evaluate_main([str(tmp_path / "none.pt"), "--data", str(data), "--csv", str(path)])
         assert e.value.code == 2 and msg in capsys.readouterr().err
     assert foreign.read_text() == "step,tokens,lr\n1,128,0.1\n"
+
+
+def test_a_checkpoint_of_an_odd_kind_or_integer_weights_is_refused(data, tmp_path, capsys):
+    """An ``arch`` that is a list (not a name), and weights cast to int64 (which would load, cast
+    back, and evaluate to a wrong CE): each an error naming the file, from sample and evaluate."""
+    model = FractusCTE(FractusConfig.preset("tiny", vocab_size=512))
+    good = {"arch": "cte", "config": model.cfg.to_dict(), "model": model.state_dict()}
+    cases = {"list.pt": ({**good, "arch": ["cte"]}, "unknown model kind"),
+             "int.pt": ({**good, "model": {k: v.long() for k, v in good["model"].items()}}, "type mismatches")}
+    for name, (payload, msg) in cases.items():
+        torch.save(payload, tmp_path / name)
+        for main, args in ((sample_main, ["--tokens", "2"]), (evaluate_main, ["--data", str(data)])):
+            with pytest.raises(SystemExit) as e:
+                main([str(tmp_path / name), *args])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and msg in err and str(tmp_path / name) in err, err

@@ -208,7 +208,7 @@ def test_a_full_disk_names_the_file_and_its_cause(tmp_path, capsys, monkeypatch)
         main(["prepare", "--input", str(tmp_path / "c.txt"), "--out", str(tmp_path / "out"), "--vocab", "512"])
     monkeypatch.undo()
     assert e.value.code == 2
-    train_bin = tmp_path / "out" / "train.bin"
+    train_bin = tmp_path / "out" / ".prepare" / "train-00000.bin"  # the first shard, written aside
     assert capsys.readouterr().err == f"error: cannot write {train_bin}: No space left on device\n"
     assert list((tmp_path / "out").iterdir()) == []
 

@@ -17,7 +17,7 @@ from fractus.bench import __main__ as bench_main
 from fractus.checkpoint import load_checkpoint
 from fractus.cli import run_command
 from fractus.model import FractusConfig, FractusCTE
-from fractus.training.loop import main, train
+from fractus.training.command import main, train
 from util import ROOT, cli, make_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")

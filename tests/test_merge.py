@@ -9,7 +9,7 @@ from fractus.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 import fractus.merge as merge_mod
 from fractus.merge import distance_to_mean, main, merge
 from fractus.model import FractusConfig, FractusCTE
-from fractus.training.loop import train
+from fractus.training.command import train
 from util import cli, make_corpus
 from util import assert_rel
 

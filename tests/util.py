@@ -1,7 +1,11 @@
 """What several test modules share: the error asserts (on :func:`fractus.bench.common.rel_err`), a
 kernel-launch recorder, an autotune pin, random MoE experts, and a toy corpus with the trainer's
-arguments for short runs on it."""
+arguments for short runs on it, and the trainer's command line in a process of its own. Test
+modules share through this module (and conftest.py's fixtures) only: they never import each other."""
 import csv
+import subprocess
+import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -106,3 +110,20 @@ def metrics(out: Path) -> list[dict]:
     """The columns :data:`SAME` of each row of ``out/metrics.csv``."""
     with open(out / "metrics.csv", newline="") as f:
         return [{k: r[k] for k in SAME} for r in csv.DictReader(f)]
+
+
+def popen(argv, script=None) -> subprocess.Popen:
+    """``python -m fractus.train ARGV`` (or ``python -c SCRIPT ARGV``) in a process of its own, from
+    the checkout, its output captured as text."""
+    cmd = [sys.executable, "-c", script, *argv] if script else [sys.executable, "-m", "fractus.train", *argv]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_rows(proc, out: Path, n: int, timeout: float = 120) -> None:
+    """Until the run has a checkpoint and n rows of metrics."""
+    deadline = time.monotonic() + timeout
+    while not ((out / "ckpt.pt").exists() and (out / "metrics.csv").exists()
+               and len((out / "metrics.csv").read_text().splitlines()) > n):
+        assert proc.poll() is None, f"the run ended before it was interrupted: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"no {n} rows of metrics after {timeout} s"
+        time.sleep(0.01)

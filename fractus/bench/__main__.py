@@ -1,11 +1,13 @@
-"""``python -m fractus.bench cpu|costmodel|aot|gpu``.
+"""``python -m fractus.bench cpu|costmodel|decode|aot|gpu``.
 
 ``cpu`` measures training throughput and each op's PyTorch path against its baseline and
 writes ``results/*_cpu.csv`` (tiny sizes under FRACTUS_SMOKE=1). ``costmodel`` fits this CPU's
 cost model on micro-benchmarks, checks it against measured training steps
 (:mod:`fractus.bench.cpu_costmodel`) and writes the same model's H200 column
 (:func:`fractus.bench.costmodel.h200_rows`): ``results/costmodel_{cpu_fit,cpu_check,h200}.csv``
-(tiny sizes under FRACTUS_SMOKE=1). ``aot`` compiles every Triton kernel for sm_90 (H100/H200)
+(tiny sizes under FRACTUS_SMOKE=1). ``decode`` times a token's decode by context position and a
+prompt's prefill, the CTE against the Transformer++'s KV caches (:mod:`fractus.bench.decode`:
+``results/decode_cpu.csv``, ``decode.png``). ``aot`` compiles every Triton kernel for sm_90 (H100/H200)
 without a GPU and writes ``results/aot_sm90.csv`` (:mod:`fractus.verify.aot`). ``gpu`` is the GPU
 suite (:mod:`fractus.bench.gpu`); ``--dry-run`` runs its code paths on CPU at tiny sizes.
 """
@@ -93,6 +95,8 @@ def main(argv=None) -> None:
     m = sub.add_parser("costmodel", help="this CPU's cost model, fitted and checked, and its H200 column "
                                          "→ OUT/costmodel_{cpu_fit,cpu_check,h200}.csv")
     m.add_argument("--out", default="results")
+    d = sub.add_parser("decode", help="decode and prefill, CTE against Transformer++ → OUT/decode_cpu.csv")
+    d.add_argument("--out", default="results")
     t = sub.add_parser("aot", help="compile every Triton kernel for an NVIDIA target, no GPU → OUT/aot_smARCH.csv")
     t.add_argument("--out", default="results")
     t.add_argument("--arch", type=int, default=90, choices=sorted(aot.SHARED_LIMIT))
@@ -122,6 +126,10 @@ def run(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         run_cpu(Path(a.out), a.only)
     elif a.cmd == "costmodel":
         run_costmodel(Path(a.out))
+    elif a.cmd == "decode":
+        from fractus.bench import decode
+        rows = decode.run(Path(a.out), smoke=SMOKE)
+        print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     elif a.cmd == "aot":
         try:
             aot.check_environment()

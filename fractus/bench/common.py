@@ -1,5 +1,5 @@
-"""The smoke switch (``SMOKE``: ``FRACTUS_SMOKE=1``), and the timing and peak-memory helpers shared
-by every benchmark (their rows' provenance and CSVs: :mod:`fractus.training.records`). The correctness-check
+"""The smoke switch (``SMOKE``: ``FRACTUS_SMOKE=1``), and the timing, peak-memory and CPU-ceiling
+helpers shared by every benchmark (their rows' provenance and CSVs: :mod:`fractus.training.records`). The correctness-check
 helpers are :mod:`fractus.verify.checks`' (the checks made without the benchmarks use them too),
 imported here under the names the benchmarks and notebooks use."""
 from __future__ import annotations
@@ -25,13 +25,8 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-def median_time(fn: Callable[[], object], warmup: int = 2, reps: int = 5,
-                device: torch.device | str = "cpu") -> float:
-    """Median wall time of ``fn()`` in seconds: ``warmup`` calls, then the median of ``reps`` on
-    CPU; on CUDA ``triton.testing.do_bench``'s median (its own 25 ms warm-up and 100 ms of reps)."""
-    if torch.device(device).type == "cuda":
-        from triton.testing import do_bench
-        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+def call_times(fn: Callable[[], object], warmup: int = 2, reps: int = 5) -> list[float]:
+    """Wall times in seconds of ``reps`` calls of ``fn()``, after ``warmup`` calls (CPU)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -39,7 +34,18 @@ def median_time(fn: Callable[[], object], warmup: int = 2, reps: int = 5,
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], object], warmup: int = 2, reps: int = 5,
+                device: torch.device | str = "cpu") -> float:
+    """Median wall time of ``fn()`` in seconds: ``warmup`` calls, then the median of ``reps`` on
+    CPU (:func:`call_times`); on CUDA ``triton.testing.do_bench``'s median (its own 25 ms warm-up
+    and 100 ms of reps)."""
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench  # triton is loaded only where a CUDA timing needs it
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    return statistics.median(call_times(fn, warmup, reps))
 
 
 def interleaved_times(fns: list[Callable[[], object]], rounds: int, warmup: int = 1) -> list[list[float]]:
@@ -56,6 +62,21 @@ def interleaved_times(fns: list[Callable[[], object]], rounds: int, warmup: int 
             fn()
             ts.append(time.perf_counter() - t0)
     return times
+
+
+def cpu_ceilings(n: int = 1024, copy_mib: int = 64) -> dict[str, float]:
+    """This CPU's measured ceilings with the current torch threads: fp32 matmul FLOP/s (n×n),
+    copy bandwidth (bytes read + written per second) and the wall time of one tiny op (the
+    per-op dispatch cost of eager PyTorch)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t_mm = median_time(lambda: a @ b, warmup=2, reps=7)
+    src = torch.empty(copy_mib << 18)  # fp32 elements
+    dst = torch.empty_like(src)
+    t_cp = median_time(lambda: dst.copy_(src), warmup=2, reps=7)
+    x, y = torch.ones(4), torch.ones(4)
+    reps = 2000
+    t_op = median_time(lambda: [torch.add(x, y) for _ in range(reps)], warmup=1, reps=5) / reps
+    return {"matmul_flops": 2 * n ** 3 / t_mm, "copy_bytes_s": 2 * src.numel() * 4 / t_cp, "op_s": t_op}
 
 
 def _high_water_rss() -> int:

@@ -43,8 +43,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-
+from fractus.bench.profile import gpu_launch_count
 from fractus.model import FractusConfig
 
 COMPONENTS = ("embedding", "attention", "kuramoto", "moe", "head", "norms")
@@ -269,22 +268,6 @@ def roofline(cfg: FractusConfig, *, peak_flops: float, peak_bw: float, batch_siz
             "flops_per_token": sum(fl.values())}
 
 
-def cpu_ceilings(n: int = 1024, copy_mib: int = 64) -> dict[str, float]:
-    """This CPU's measured ceilings with the current torch threads: fp32 matmul FLOP/s (n×n),
-    copy bandwidth (bytes read + written per second) and the wall time of one tiny op (the
-    per-op dispatch cost of eager PyTorch)."""
-    from fractus.bench.common import median_time
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    t_mm = median_time(lambda: a @ b, warmup=2, reps=7)
-    src = torch.empty(copy_mib << 18)  # fp32 elements
-    dst = torch.empty_like(src)
-    t_cp = median_time(lambda: dst.copy_(src), warmup=2, reps=7)
-    x, y = torch.ones(4), torch.ones(4)
-    reps = 2000
-    t_op = median_time(lambda: [torch.add(x, y) for _ in range(reps)], warmup=1, reps=5) / reps
-    return {"matmul_flops": 2 * n ** 3 / t_mm, "copy_bytes_s": 2 * src.numel() * 4 / t_cp, "op_s": t_op}
-
-
 def time_to_train(tokens: float, tok_s: float) -> float:
     """Seconds to train on ``tokens`` at ``tok_s``."""
     if tok_s <= 0:
@@ -343,11 +326,10 @@ def h200_rows(sweep, setup, host_op_s: float, target: tuple[str, float] = ("1b",
               largest: int = 1024) -> list[dict]:
     """The model's H200 column: :func:`gpu_step` for each (preset, batch sizes, chunk) of ``sweep``,
     ``setup(preset, chunk, batch)`` its training configuration (an
-    :class:`fractus.experiments.optimizations.Setup`), the launches of its micro-step counted on its GPU
+    :class:`fractus.bench.setup.Setup`), the launches of its micro-step counted on its GPU
     path (:func:`fractus.bench.profile.gpu_launch_count`) at ``host_op_s`` each; then, for
     ``target``'s preset, the smallest power-of-two batch up to ``largest`` whose tok/s reaches the
     target within the H200's memory (``smallest_for_target`` True; none if no batch does)."""
-    from fractus.bench.profile import gpu_launch_count
     launches = {preset: gpu_launch_count(setup(preset, chunk, 8)) for preset, _, chunk in sweep}
     rows = []
 

@@ -39,9 +39,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fractus.bench.common import in_fresh_process
-from fractus.experiments.optimizations import SMOKE_DIMS
+from fractus.bench.common import cpu_ceilings, in_fresh_process
+from fractus.bench.setup import SMOKE_DIMS
 from fractus.bench.throughput import TrainingStep, measure_training
+from fractus.training.records import write_csv
 
 PRESETS = ("palier0", "palier1", "palier2")  # each also as the original architecture, original-<name>
 BATCHES = (1, 8, 32)
@@ -340,7 +341,6 @@ def rounds(smoke: bool = False) -> tuple[list[dict], dict[tuple[str, int], list[
     in a fresh process), so that a prediction and the steps it is checked against are measured
     minutes apart, whatever the machine's drift. Smoke: everything in this process. Returns (the
     fit rows, each with its ``round``; {(preset, batch): [the rounds' measured rows]})."""
-    from fractus.bench.costmodel import cpu_ceilings
     plan = SMOKE if smoke else FULL
     kw = dict(dims=plan["dims"], reps=plan["reps"], tiny_steps=plan["tiny_steps"])
     fitted, measured = [], {c: [] for c in cases(smoke)}
@@ -385,7 +385,6 @@ def run(out: Path, smoke: bool = False) -> tuple[list[dict], list[dict]]:
     """Fit and measure this CPU in rounds (:func:`rounds`, at the run's threads: torch's own, one
     when smoke); write ``out/costmodel_cpu_fit.csv`` (a row per case and round) and
     ``costmodel_cpu_check.csv`` (a row per case). Returns (fit rows, check rows)."""
-    from fractus.training.records import write_csv
     threads = torch.get_num_threads()
     torch.set_num_threads((SMOKE if smoke else FULL)["threads"] or threads)
     try:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from fractus.bench import common
+from fractus.bench import common, harness
 from fractus.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from fractus.verify.cases import CROSS_ENTROPY_GPU, cross_entropy_case, cross_entropy_fwd_bwd
 
@@ -43,10 +43,10 @@ def _impl(name):
     return lambda h, w, t: linear_cross_entropy(h, w, t, backend=name)
 
 
-def peak_case(impl, N, d, V):
-    """For cpu_peak_bytes: builds a case and returns a forward+backward thunk."""
-    h, w, t = cross_entropy_case(N, d, V)
-    fn = _impl(impl)
+def peak_case(provider, mode, tokens, d, V):
+    """For :func:`fractus.bench.common.cpu_peak_bytes`: builds a case and returns a forward+backward thunk."""
+    h, w, t = cross_entropy_case(tokens, d, V)
+    fn = _impl(provider)
     return lambda: cross_entropy_fwd_bwd(fn, h, w, t)
 
 
@@ -60,85 +60,77 @@ def _min_bytes(N, d, V, elt):
     return elt * 2 * (N + V) * d + 8 * N
 
 
+def _call(provider, mode, case):
+    fn = _impl(provider)
+    return lambda: cross_entropy_fwd_bwd(fn, *case)
+
+
 # ----------------------------------------------------------------------------- CPU
-def cpu_rows(smoke: bool = False) -> list[dict]:
-    """Chunked PyTorch path vs naive, fp32 forward+backward: time and peak RSS (spawned process)."""
+def cpu_benches(smoke: bool = False) -> list[harness.Bench]:
+    """The chunked PyTorch path vs naive, fp32 forward+backward: time and peak RSS (each in a fresh
+    process); the chunked path's target: memory ≤ 1/8 of naive's and time ≤ 1.3×."""
     case = dict(N=256, d=64, V=2048) if smoke else CPU_CASE
-    reps = dict(warmup=1, reps=2 if smoke else 3)
-    impls = ("torch", "naive")
-    peaks = [common.cpu_peak_bytes("fractus.bench.cross_entropy:peak_case", impl=i, **case) for i in impls]
-    h, w, t = cross_entropy_case(**case)
-    rows = []
-    for impl, peak in zip(impls, peaks):
-        fn = _impl(impl)
-        tm = common.median_time(lambda: cross_entropy_fwd_bwd(fn, h, w, t), **reps)
-        rows.append(dict(bench="cross_entropy", impl="chunked" if impl == "torch" else "naive",
-                         mode="fwd+bwd", dtype=common.dtype_name(torch.float32), tokens=case["N"], d=case["d"],
-                         V=case["V"], time_s=tm, gflops=_flops(**case) / tm / 1e9, peak_rss_bytes=peak))
-    base = rows[1]
-    for r in rows:
-        r["time_vs_naive"] = r["time_s"] / base["time_s"]
-        r["mem_vs_naive"] = r["peak_rss_bytes"] / max(base["peak_rss_bytes"], 1)
-    fused = rows[0]
-    fused["target"] = "mem <= 1/8 naive and time <= 1.3x naive"
-    fused["target_met"] = fused["mem_vs_naive"] <= 1 / 8 and fused["time_vs_naive"] <= 1.3
-    return rows
+    shape = dict(d=case["d"], V=case["V"])
+
+    def met(r):
+        mem = r.value("torch", "memory") / max(r.value("naive", "memory"), 1)
+        return mem <= 1 / 8 and r.value("torch") / r.value("naive") <= 1.3
+    return [harness.Bench(
+        op="cross_entropy", case="", x_name="tokens", x_values=(case["N"],), providers=("torch", "naive"),
+        setup=lambda N: cross_entropy_case(N, **shape), call=_call, metrics=("time", "memory"),
+        peak_case="fractus.bench.cross_entropy:peak_case", baseline="naive", shape=shape,
+        timing=harness.Timing(warmup=1, reps=2 if smoke else 3), flops=lambda N, m: _flops(N, **shape),
+        targets=(harness.Target("torch", "mem <= 1/8 naive and time <= 1.3x naive", met),))]
+
+
+def cpu_rows(smoke: bool = False) -> list[dict]:
+    """:func:`cpu_benches`' rows (:mod:`fractus.bench.harness`)."""
+    return list(harness.run(cpu_benches(smoke)))
 
 
 # ----------------------------------------------------------------------------- GPU
-def gpu_rows(smoke: bool = False) -> list[dict]:
-    """1b head in bf16: Triton vs naive, torch.compile(naive) and Liger (when importable).
-
-    smoke=True runs tiny sizes through the Triton interpreter on CPU (torch.compile is
-    skipped there: it needs a C++ toolchain and minutes).
-    """
+def gpu_benches(smoke: bool = False) -> list[harness.Bench]:
+    """1b head in bf16: Triton vs naive, torch.compile(naive) and Liger (when importable), each one's
+    loss and gradients compared with the fp32 naive ones; the Triton row's target: time and
+    memory ≤ Liger's. smoke=True runs tiny sizes through the Triton interpreter on CPU
+    (torch.compile is skipped there: it needs a C++ toolchain and minutes)."""
     dtype = torch.bfloat16
     device, case = ("cpu", TINY) if smoke else ("cuda", CROSS_ENTROPY_GPU)
-    h, w, t = cross_entropy_case(**case, dtype=dtype, device=device)
-    meta = dict(bench="cross_entropy", mode="fwd+bwd", dtype=common.dtype_name(dtype),
-                tokens=case["N"], d=case["d"], V=case["V"])
-    truth = cross_entropy_fwd_bwd(naive, h.detach().float().requires_grad_(), w.detach().float().requires_grad_(), t)
-    rows = []
-    for impl in ("triton", "naive", "compiled", "liger"):
-        if impl == "compiled" and smoke:
-            rows.append(dict(**meta, impl=impl, note="skipped in smoke (CPU)"))
-            continue
-        try:
-            fn = _impl(impl)
-            thunk = lambda: cross_entropy_fwd_bwd(fn, h, w, t)  # noqa: E731
-            tm = common.median_time(thunk, warmup=1, reps=2, device=device) if smoke else \
-                common.median_time(thunk, device=device)
-            row = dict(**meta, impl=impl, time_s=tm, tflops=_flops(**case) / tm / 1e12,
-                       gbps=_min_bytes(**case, elt=h.element_size()) / tm / 1e9)
-            row.update({f"rel_err_{n}": common.rel_err(x, y) for n, x, y in
-                        zip(("loss", "dh", "dw"), cross_entropy_fwd_bwd(fn, h, w, t), truth)})
-            if device == "cuda":
-                row["peak_bytes"] = common.cuda_peak_bytes(thunk, leaves=(h, w))
-            rows.append(row)
-        except ImportError as exc:
-            rows.append(dict(**meta, impl=impl, note=f"not installed ({exc})"))
-        except Exception as exc:  # a baseline failing (e.g. Liger on CPU) is recorded, not raised
-            rows.append(dict(**meta, impl=impl, note=f"error: {type(exc).__name__}: {exc}"))
-    timed = {r["impl"]: r for r in rows if "time_s" in r}
-    for r in rows:
-        if "time_s" not in r:
-            continue
-        for other in ("naive", "compiled", "liger"):
-            if other in timed and other != r["impl"]:
-                r[f"time_vs_{other}"] = r["time_s"] / timed[other]["time_s"]
-                if "peak_bytes" in r:
-                    r[f"mem_vs_{other}"] = r["peak_bytes"] / max(timed[other]["peak_bytes"], 1)
-    tri = timed.get("triton")
-    if tri is not None:
-        tri["target"] = "time and memory <= Liger"
-        if "liger" not in timed:
-            tri["note"] = "target not measured: liger " + next(r for r in rows if r["impl"] == "liger")["note"]
-        elif "peak_bytes" in tri:
-            tri["target_met"] = tri["time_vs_liger"] <= 1.0 and tri["mem_vs_liger"] <= 1.0
-        else:
-            tri["note"] = "target not measured: no peak memory off CUDA"
-    return rows
+    shape = dict(d=case["d"], V=case["V"])
+    elt = torch.finfo(dtype).bits // 8
 
+    def setup(N):
+        h, w, t = cross_entropy_case(N, **shape, dtype=dtype, device=device)
+        truth = cross_entropy_fwd_bwd(naive, h.detach().float().requires_grad_(),
+                                      w.detach().float().requires_grad_(), t)
+        return h, w, t, truth
+
+    def call(provider, mode, case):
+        return _call(provider, mode, case[:3])
+
+    def check(provider, mode, case, out):
+        return {f"rel_err_{n}": common.rel_err(x, y) for n, x, y in zip(("loss", "dh", "dw"), out, case[3])}
+
+    def vs_liger(r):
+        if r.value("liger") is None:
+            return "liger " + r.note("liger")
+        if r.value("triton", "memory") is None:
+            return "no peak memory off CUDA"
+        mem = r.value("triton", "memory") / max(r.value("liger", "memory"), 1)
+        return r.value("triton") / r.value("liger") <= 1.0 and mem <= 1.0
+    return [harness.Bench(
+        op="cross_entropy", case="", x_name="tokens", x_values=(case["N"],),
+        providers=("triton", "naive", "compiled", "liger"), setup=setup, call=call, check=check,
+        check_modes=("fwd+bwd",), check_vs="naive (fp32)", metrics=("time", "memory"), baseline="naive",
+        shape=shape, dtype=dtype, device=device, timing=harness.Timing(warmup=1, reps=2),
+        absent={"compiled": "skipped in smoke (CPU)"} if smoke else {},
+        flops=lambda N, m: _flops(N, **shape), min_bytes=lambda N, m: _min_bytes(N, **shape, elt=elt),
+        leaves=lambda case: case[:2], targets=(harness.Target("triton", "time and memory <= Liger", vs_liger),))]
+
+
+def gpu_rows(smoke: bool = False) -> Iterator[dict]:
+    """:func:`gpu_benches`' rows (:mod:`fractus.bench.harness`)."""
+    return harness.run(gpu_benches(smoke))
 
 
 def _lowp_torch(h, w, t, **kw):
@@ -163,7 +155,7 @@ def _lowp_torch(h, w, t, **kw):
 def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
     """Triton vs the fp32 reference: loss, per-token ce, dH, dW; fp32 and low precision.
 
-    fp32: rel_err < 1e-4. bf16 (on CPU through the interpreter, which :mod:`fractus.verify.interpret`
+    fp32: rel_err < 1e-4. bf16 (on CPU through the interpreter, which :mod:`fractus.ops.interpreter`
     makes round it as a GPU does): rel_err vs the fp32 truth ≤ that of the bf16 PyTorch computation + 2e-3.
     Measured so at this size (1,000 tokens, d 512, V 50257), the kernel's errors are below the
     PyTorch path's in both options: loss and per-token ce by 4e-6 to 2.5e-4, dH and dW by 3e-4 to 8e-4.

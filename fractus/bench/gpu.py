@@ -20,11 +20,10 @@ CUDA's context unusable, e.g. an illegal memory access, in a fresh process); wit
 stage that would start after the budget is spent is recorded as skipped, so the summary and the
 CSVs are written before an outer time limit kills the run. ``--dry-run`` runs the same code paths
 on CPU at tiny sizes (kernels through Triton's interpreter, which computes bf16 and tf32 there as
-a GPU does: :mod:`fractus.verify.interpret`); CI runs it.
+a GPU does: :mod:`fractus.ops.interpreter`); CI runs it.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -42,22 +41,25 @@ import pandas as pd
 import torch
 
 from fractus.atomic import atomic_open
-from fractus.bench import common, profile
-from fractus.experiments import optimizations
+from fractus.bench import common, cross_entropy, harness, linear_attention, moe, optimizations, profile
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
 from fractus.bench.costmodel import datasheet, flops_per_token, gpu_step
+from fractus.bench.cpu_costmodel import host_op_seconds
+from fractus.bench.setup import Setup
 from fractus.bench.throughput import measure_training
 from fractus.cli import CommandError
 from fractus.data import prepare, write_toy_corpus
 from fractus.ops import common as _backend
+from fractus.ops.kuramoto import kuramoto_phase, kuramoto_phase_reference
 from fractus.model import FractusConfig, FractusCTE
 from fractus.training.records import cuda_name, provenance, write_csv
 from fractus.training.runs import read_metrics
-from fractus.training.loop import train
+from fractus.training.command import train
 from fractus.verify import aot, offsets
 from fractus.verify.cases import GEN_PROMPT, kuramoto_case
 
 KERNELS = ("linear_attention", "moe", "cross_entropy")
+OPS = {"linear_attention": linear_attention, "moe": moe, "cross_entropy": cross_entropy}  # their modules
 TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
 COST_MODEL_TOLERANCE = 0.30  # the cost model's predicted step time against the measured one, on the GPU
 # The original's only measured GPU throughput (TRAINING_LOG_1B.md of the Fractus CTE repository, "Live
@@ -72,13 +74,12 @@ TRAIN_SWEEP = [("palier0", (8, 64, 256), 128), ("palier1", (8, 64, 256), 128),
 DRY_SWEEP = [("tiny", (1, 2), 16)]
 
 
-def train_setup(preset: str, chunk_len: int, batch_size: int = 8) -> optimizations.Setup:
+def train_setup(preset: str, chunk_len: int, batch_size: int = 8) -> Setup:
     """The training sweep's configuration (the preset's own model, every position supervised,
-    SGD, no accumulation) as a :class:`optimizations.Setup`: :func:`train_rows` measures it, the
+    SGD, no accumulation) as a :class:`fractus.bench.setup.Setup`: :func:`train_rows` measures it, the
     precompile compiles it and notebook 04's cost model counts its launches."""
-    return optimizations.Setup(preset=preset, vocab_size=FractusConfig.preset(preset).vocab_size,
-                               tie_head=True, sparse_moe=True, fused_ce=True, chunk_len=chunk_len,
-                               optimizer="sgd", batch_size=batch_size)
+    return Setup(preset=preset, vocab_size=FractusConfig.preset(preset).vocab_size, tie_head=True, sparse_moe=True,
+                 fused_ce=True, chunk_len=chunk_len, optimizer="sgd", batch_size=batch_size)
 
 
 def ceilings(device: torch.device, dry_run: bool) -> dict:
@@ -132,7 +133,6 @@ def train_rows(device: torch.device, dry_run: bool, peaks: dict) -> Iterator[dic
     ``peaks``, the device's bf16 TFLOP/s and memory GB/s, with the preset's launches counted on
     its GPU path and this host's cost per op, :func:`cpu_costmodel.host_op_seconds`) and the
     prediction's error on the measured step time."""
-    from fractus.bench.cpu_costmodel import host_op_seconds
     peak_tflops = peaks["bf16_tflops"]
     for preset, batches, chunk in (DRY_SWEEP if dry_run else TRAIN_SWEEP):
         rec = train_setup(preset, chunk)
@@ -179,32 +179,41 @@ def kuramoto_rows(device: torch.device, dry_run: bool, timing: bool) -> list[dic
     """The clock's Triton kernels and its fused PyTorch path (hand-written RK4 backward) in fp32 vs
     plain autograd in fp64 on the device, ψ and every gradient: error ≤ fp32 autograd's + 1e-4
     (atan2's gradient is ill-conditioned where the phases cancel; ``timing``: forward+backward
-    times of all three in fp32 instead)."""
-    from fractus.ops.kuramoto import kuramoto_phase, kuramoto_phase_reference
+    times of all three in fp32 instead, :func:`kuramoto_bench`)."""
     args, dy = kuramoto_case(device, small=dry_run)
-    dt, steps, damping = 0.1, 2, 0.1
-    fns = {"triton": lambda *a: kuramoto_phase(*a, backend="triton"),
-           "torch": lambda *a: kuramoto_phase(*a, backend="torch"), "reference": kuramoto_phase_reference}
+    if timing:
+        return list(harness.run([kuramoto_bench(device, args, dy)]))
+    same = _clock_run(kuramoto_phase_reference, args, dy)
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    psi64 = kuramoto_phase_reference(*args64, *CLOCK)
+    truth = (psi64, *torch.autograd.grad(psi64, args64, dy.double()))
+    return [r for name in ("triton", "torch") for r in check_rows(
+        f"kuramoto_phase[{name}]", torch.float32, ("psi", "dtheta", "domega", "dU", "dlambda"),
+        _clock_run(CLOCK_FNS[name], args, dy), truth, same, margin=1e-4, truth_name="fp64 autograd")]
 
-    def run(fn):
-        psi = fn(*args, dt, steps, damping)
-        return (psi, *torch.autograd.grad(psi, args, dy))
-    if not timing:
-        same = run(fns["reference"])
-        args64 = [a.detach().double().requires_grad_() for a in args]
-        psi64 = kuramoto_phase_reference(*args64, dt, steps, damping)
-        truth = (psi64, *torch.autograd.grad(psi64, args64, dy.double()))
-        return [r for name in ("triton", "torch") for r in check_rows(
-            f"kuramoto_phase[{name}]", torch.float32, ("psi", "dtheta", "domega", "dU", "dlambda"),
-            run(fns[name]), truth, same, margin=1e-4, truth_name="fp64 autograd")]
-    times = {k: median_time(lambda fn=fn: run(fn), device=device) for k, fn in fns.items()}
-    M, N = args[0].shape
-    flops = 3 * steps * 4 * (4 * N * N + 8 * N) * M  # RK4 stages: two N×N coupling products each; bwd 2×
-    nbytes = 4 * (2 * M * N + 2 * M)  # θ⁰ read and dθ⁰ written, ψ written and dψ read (fp32)
-    return [{"kernel": "kuramoto_phase", "impl": k, "tokens": M, "oscillators": N, "mode": "fwd+bwd",
-             "time_s": t, "tflops": flops / t / 1e12, "gbps": nbytes / t / 1e9,
-             "speedup_vs_reference": times["reference"] / t}
-            for k, t in times.items()]
+
+CLOCK = (0.1, 2, 0.1)  # the clock's (dt, steps, damping) in its checks and timings
+CLOCK_FNS = {"triton": lambda *a: kuramoto_phase(*a, backend="triton"),
+             "torch": lambda *a: kuramoto_phase(*a, backend="torch"), "reference": kuramoto_phase_reference}
+
+
+def _clock_run(fn, args, dy):
+    """ψ and the gradients of θ⁰, ω, U, λ for the upstream gradient ``dy``."""
+    psi = fn(*args, *CLOCK)
+    return (psi, *torch.autograd.grad(psi, args, dy))
+
+
+def kuramoto_bench(device: torch.device, args, dy) -> harness.Bench:
+    """The clock's forward+backward in fp32 on ``args`` (:func:`fractus.verify.cases.kuramoto_case`):
+    Triton, the fused PyTorch path and plain autograd (the baseline), with TFLOP/s (two N×N
+    coupling products per RK4 stage, the backward 2× the forward) and GB/s (θ⁰ read and dθ⁰
+    written, ψ written and dψ read)."""
+    (M, N), steps = args[0].shape, CLOCK[1]
+    return harness.Bench(
+        op="kuramoto", case="", x_name="tokens", x_values=(M,), providers=tuple(CLOCK_FNS),
+        setup=lambda M: (args, dy), call=lambda p, m, case: lambda: _clock_run(CLOCK_FNS[p], *case),
+        baseline="reference", shape=dict(oscillators=N), device=device.type, timing=harness.Timing(warmup=2, reps=5),
+        flops=lambda M, m: 3 * steps * 4 * (4 * N * N + 8 * N) * M, min_bytes=lambda M, m: 4 * (2 * M * N + 2 * M))
 
 
 RESUME_FIELDS = ("step", "tokens", "lr", "train_ce", "train_lb", "grad_norm", "val_ce", "val_bpb")
@@ -304,21 +313,19 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
         return {"bf16_tflops": max(ceil.get("matmul_tflops", 1e-3), 1e-3), "hbm_gbs": max(ceil.get("copy_gbs", 1e-3), 1e-3),
                 "peaks": "measured"}
 
-    def bench(k: str):
-        return importlib.import_module(f"fractus.bench.{k}")
     fns = {"ceilings": measure_ceilings, "precompile": lambda: precompile_rows(dry_run)}
     def poisoned(rows: Callable[[], Iterable[dict]]) -> Iterator[dict]:
         """The checks run with NaN-filled kernel outputs, so that unwritten elements fail them."""
         with _backend.poisoned():
             yield from rows()
     for k in KERNELS:
-        fns[f"correctness_{k}"] = lambda k=k: poisoned(lambda: bench(k).correctness_rows(device, smoke=dry_run))
+        fns[f"correctness_{k}"] = lambda k=k: poisoned(lambda: OPS[k].correctness_rows(device, smoke=dry_run))
     fns["correctness_kuramoto"] = lambda: poisoned(lambda: kuramoto_rows(device, dry_run, timing=False))
     fns["trainer_resume"] = lambda: trainer_rows(device)
     # the training target before the kernels' timings: those also compile and autotune the baselines
     fns["train_throughput"] = lambda: train_rows(device, dry_run, peaks())
     for k in KERNELS:
-        fns[f"timing_{k}"] = lambda k=k: bench(k).gpu_rows(smoke=dry_run)
+        fns[f"timing_{k}"] = lambda k=k: OPS[k].gpu_rows(smoke=dry_run)
     fns["timing_kuramoto"] = lambda: kuramoto_rows(device, dry_run, timing=True)
     fns["generation"] = lambda: generation_rows(device, dry_run)
     fns["optimizations"] = lambda: optimizations.gpu_rows(smoke=dry_run)
@@ -521,8 +528,8 @@ def target_rows(tables: dict[str, pd.DataFrame]) -> list[dict]:
         if not name.startswith("timing_") or "target" not in t:
             continue
         for _, r in t[t["target"].notna()].iterrows():
-            case = ", ".join(f"{k}={r[k]}" for k in ("impl", "kind", "mode", "dtype", "B", "T", "tokens")
-                             if k in r and pd.notna(r[k]))
+            case = ", ".join([f"{k}={r[k]}" for k in ("provider", "case", "mode", "dtype") if pd.notna(r.get(k))]
+                             + [f"{r['x_name']}={r['x_value']}"])
             met = r.get("target_met")
             rows.append({"target": f"{name.removeprefix('timing_')}: {r['target']}", "case": case,
                          "met": None if pd.isna(met) else bool(met),

@@ -20,13 +20,12 @@ first GPU run says which is faster.
 """
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from fractus.bench import common
+from fractus.bench import common, harness
 from fractus.ops.linear_attention import linear_attention
 from fractus.model import level_omegas
 from fractus.verify import cases
@@ -59,67 +58,50 @@ def _fwd_bwd(impl, q, k, v, w):
         cases.attention_fwd_bwd(impl, q, k, v, w)
 
 
-def peak_case(impl, B, T, H, D, levels):
-    """For cpu_peak_bytes: inputs, then a forward+backward thunk."""
-    q, k, v, w, _, _ = attention_case(B, T, H, D, levels)
-    return lambda: _fwd_bwd(impl, q, k, v, w)
+def peak_case(provider, mode, B, T, H, D, levels, decay):
+    """For :func:`fractus.bench.common.cpu_peak_bytes`: inputs, then a forward+backward thunk."""
+    q, k, v, w, _, _ = attention_case(B, T, H, D, levels, decay=decay)
+    return lambda: _fwd_bwd(provider, q, k, v, w)
 
 
 # ----------------------------------------------------------------------------- CPU
-def cpu_rows(smoke: bool = False) -> list[dict]:
-    """(a) chunked vs reference; (b) chunked vs materialising + the T-scaling check (fp32); peak
-    RSS of each in a fresh process. Timings run on CPU_THREADS threads (OpenMP threads on busy cores
-    make timings erratic)."""
-    b = dict(B=1, T=256, H=2, D=16) if smoke else dict(B=1, T=1024, H=16, D=64)
-    peaks = {impl: common.cpu_peak_bytes("fractus.bench.linear_attention:peak_case", impl=impl, **b, levels=1)
-             for impl in ("torch", "materialising")}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(CPU_THREADS)
-    try:
-        return _cpu_timings(smoke, b, peaks)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _cpu_timings(smoke, b, peaks):
-    reps = dict(warmup=1, reps=2 if smoke else 3)
-    common_cols = dict(bench="linear_attention", mode="fwd+bwd", dtype=common.dtype_name(torch.float32),
-                       threads=CPU_THREADS)
-    rows = []
-    # (a) chunked PyTorch path vs the token-by-token reference, 2 levels with decay
+def cpu_benches(smoke: bool = False) -> list[harness.Bench]:
+    """fp32 forward+backward on CPU_THREADS threads (OpenMP threads on busy cores make timings
+    erratic): (a) the chunked PyTorch path vs the token-by-token reference, 2 levels with decay;
+    (b) the chunked path vs the materialising formulation at T=1024, D=64, 16 heads, B=1, one
+    level, time and peak RSS (each in a fresh process), and the chunked path at 4·T against T,
+    the two sizes timed in alternating rounds (the shared machine's load drifts; interleaving
+    exposes both to the same drift)."""
     a = dict(B=1, T=64, H=2, D=32) if smoke else dict(B=1, T=512, H=4, D=64)
-    q, k, v, w, g, _ = attention_case(**a, levels=2, decay=True)
-    times = {impl: common.median_time(lambda impl=impl: cases.attention_fwd_bwd(impl, q, k, v, w, g), **reps)
-             for impl in ("torch", "reference")}
-    for impl in ("torch", "reference"):
-        rows.append(dict(common_cols, case="vs_reference", impl=impl, **a, levels=2, decay=True,
-                         time_s=times[impl], speedup_vs_baseline=times["reference"] / times[impl],
-                         baseline="reference"))
-    del q, k, v, w, g
-    # (b) chunked vs materialising at T=1024, D=64, 16 heads, B=1, one level
-    q, k, v, w, _, _ = attention_case(**b, levels=1)
-    tm_ = common.median_time(lambda: _fwd_bwd("materialising", q, k, v, w), **reps)
-    # linear in T: the chunked path at T and 4·T, timed alternately (the shared machine's load
-    # drifts; interleaving exposes both sizes to the same drift)
-    b4 = dict(b, T=4 * b["T"])
-    q4, k4, v4, w4, _, _ = attention_case(**b4, levels=1)
-    tc, t4 = (statistics.median(ts) for ts in common.interleaved_times(
-        [lambda: _fwd_bwd("torch", q, k, v, w), lambda: _fwd_bwd("torch", q4, k4, v4, w4)],
-        rounds=3 if smoke else 7))
-    times = {"torch": tc, "materialising": tm_}
-    pc, pm = peaks["torch"], peaks["materialising"]
-    for impl in ("torch", "materialising"):
-        row = dict(common_cols, case="vs_materialising", impl=impl, **b, levels=1, decay=False,
-                   time_s=times[impl], peak_rss_bytes=peaks[impl], speedup_vs_baseline=tm_ / times[impl],
-                   mem_vs_baseline=peaks[impl] / max(pm, 1), baseline="materialising")
-        if impl == "torch":
-            row["target"] = "speedup >= 30x and memory <= 1/4 of materialising"
-            row["target_met"] = tm_ / tc >= 30 and 0 < pc <= pm / 4
-        rows.append(row)
-    rows.append(dict(common_cols, case="T_scaling", impl="torch", **b4, levels=1, decay=False,
-                     time_s=t4, baseline=f"torch at T={b['T']}", time_ratio_vs_baseline=t4 / tc,
-                     target="time(4T)/time(T) <= 4.5", target_met=t4 / tc <= 4.5))
-    return rows
+    b = dict(B=1, T=256, H=2, D=16) if smoke else dict(B=1, T=1024, H=16, D=64)
+    reps = 2 if smoke else 3
+    shape_a = dict(B=a["B"], H=a["H"], D=a["D"], levels=2, decay=True)
+    shape_b = dict(B=b["B"], H=b["H"], D=b["D"], levels=1, decay=False)
+    T = b["T"]
+    vs_reference = harness.Bench(
+        op="linear_attention", case="vs_reference", x_name="T", x_values=(a["T"],), providers=("torch", "reference"),
+        setup=lambda T: attention_case(T=T, **shape_a)[:5],
+        call=lambda p, m, qkvwg: lambda: cases.attention_fwd_bwd(p, *qkvwg),
+        baseline="reference", shape=shape_a, timing=harness.Timing(warmup=1, reps=reps), threads=CPU_THREADS)
+    vs_materialising = harness.Bench(
+        op="linear_attention", case="vs_materialising", x_name="T", x_values=(T, 4 * T),
+        providers=("torch", "materialising"), only=lambda p, x, m: p == "torch" or x == T,
+        setup=lambda T: attention_case(T=T, **shape_b)[:4],
+        call=lambda p, m, qkvw: lambda: _fwd_bwd(p, *qkvw),
+        metrics=("time", "memory"), memory_x=(T,), peak_case="fractus.bench.linear_attention:peak_case",
+        baseline="materialising", shape=shape_b, threads=CPU_THREADS,
+        timing=harness.Timing(warmup=1, reps=reps, rounds=3 if smoke else 7, interleave=("torch",)),
+        targets=(harness.Target("torch", "speedup >= 30x and memory <= 1/4 of materialising", x=T, met=lambda r: (
+                     r.value("materialising") / r.value("torch") >= 30
+                     and 0 < r.value("torch", "memory") <= r.value("materialising", "memory") / 4)),
+                 harness.Target("torch", "time(4T)/time(T) <= 4.5", x=4 * T,
+                                met=lambda r: r.value("torch") / r.value("torch", x=T) <= 4.5)))
+    return [vs_reference, vs_materialising]
+
+
+def cpu_rows(smoke: bool = False) -> list[dict]:
+    """:func:`cpu_benches`' rows (:mod:`fractus.bench.harness`)."""
+    return list(harness.run(cpu_benches(smoke)))
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -145,112 +127,89 @@ def _fla_status():
         return None, f"failed at import: {type(exc).__name__}: {exc}"[:300]
 
 
-def gpu_rows(smoke: bool = False) -> Iterator[dict]:
-    """bf16 timings on CUDA (smoke: tiny, Triton's interpreter on CPU), yielded a comparison at a
-    time: per recurrence and length, the forward and then the forward+backward of every
-    implementation; then each recurrence's decode step. After a failure that loses CUDA's
-    context, the rows so far are yielded and nothing more runs."""
+def _timed_case(recurrence, shape, device):
+    """x = T → (the timed inputs, the forward's truth: the PyTorch path in fp32 inside, with and
+    without its denominator)."""
+    def setup(T):
+        inputs = cases.timed_attention(recurrence, T=T, dtype=torch.bfloat16, device=device, **shape)
+        with torch.no_grad():  # fp32 inside: the outputs' agreement is judged against it
+            truth = {n: cases.attention("torch", *inputs, normalize=n) for n in (True, False)}
+        return inputs, truth
+    return setup
+
+
+def _timed_call(provider, mode, case):
+    inputs, _ = case
+    if mode == "fwd+bwd":
+        return lambda: cases.attention_fwd_bwd(provider, *inputs)
+
+    def forward():
+        with torch.no_grad():
+            return cases.attention(provider, *inputs)
+    return forward
+
+
+def _decode_call(provider, mode, inputs):
+    q, k, v, w, g, st = inputs
+
+    def step():
+        with torch.no_grad():
+            linear_attention(q, k, v, w, level_omegas(w.numel()), g, st, cases.EPS, backend=provider)
+    return step
+
+
+def gpu_benches(smoke: bool = False) -> list[harness.Bench]:
+    """bf16 on CUDA (smoke: tiny, Triton's interpreter on CPU): per recurrence, at each length, the
+    forward (its output compared with the PyTorch path's) and then the forward+backward of every
+    implementation, against the PyTorch path; the first recurrence's Triton forward+backward at the
+    middle length carries the target (within 1.25× of fla's time). Then each recurrence's decode
+    step (B=1, T=1, the carried state, no autograd): Triton vs the PyTorch path, the first
+    recurrence's Triton row with the target (≥ 10×)."""
     device, shape, Ts = ("cpu", SMOKE_GPU, (40,)) if smoke else ("cuda", cases.ATTENTION_GPU, cases.ATTENTION_TS)
-    timer = (lambda f: common.median_time(f, warmup=1, reps=2, device=device)) if smoke else \
-        (lambda f: common.median_time(f, device=device))
+    timing = harness.Timing(warmup=1, reps=2)  # CPU (smoke); CUDA: do_bench's own
     fla, fla_note = _fla_status()
+    absent = {"fla": fla_note, "fla_numerator": fla_note} if fla is None else {}
+    fla_missing = fla_note if fla is None else "failed"
+    B, H, D, Lv = (shape[k] for k in ("B", "H", "D", "levels"))
+    elt = torch.finfo(torch.bfloat16).bits // 8
+    T_target = Ts[len(Ts) // 2]
+
+    def vs_fla(r):
+        fla_s = r.value("fla")
+        return f"fla {fla_missing}" if fla_s is None else r.value("triton") <= 1.25 * fla_s
+    benches = []
     for recurrence in cases.RECURRENCES:
-        for T in Ts:
-            inputs = cases.timed_attention(recurrence, T=T, dtype=torch.bfloat16, device=device, **shape)
-            with torch.no_grad():  # fp32 inside: the outputs' agreement is judged against it
-                truth = {n: cases.attention("torch", *inputs, normalize=n) for n in (True, False)}
-            for mode in ("fwd", "fwd+bwd"):
-                meta = dict(bench="linear_attention", kind=recurrence, mode=mode,
-                            dtype=common.dtype_name(torch.bfloat16), T=T, **shape)
-                ours = ("triton", "triton_bwd64", "torch") if mode == "fwd+bwd" else ("triton", "torch")
-                rows = [_timed_row(impl, inputs, truth[impl != "fla_numerator"], timer, meta,
-                                   fla_note if impl.startswith("fla") and fla is None else None)
-                        for impl in ours + ("fla", "fla_numerator")]
-                _compare(rows, recurrence == cases.RECURRENCES[0] and mode == "fwd+bwd" and T == Ts[len(Ts) // 2],
-                         fla_note if fla is None else "failed")
-                yield from rows
-                if any("note" in r for r in rows) and common.cuda_context_lost(device):
-                    return  # every later call would fail too
+        target = (harness.Target("triton", f"fwd+bwd <= 1.25x fla's time at T={T_target}", vs_fla, mode="fwd+bwd",
+                                 x=T_target),) if recurrence == cases.RECURRENCES[0] else ()
+        benches.append(harness.Bench(
+            op="linear_attention", case=recurrence, x_name="T", x_values=Ts,
+            providers=("triton", "triton_bwd64", "torch", "fla", "fla_numerator"), modes=("fwd", "fwd+bwd"),
+            only=lambda p, x, m: p != "triton_bwd64" or m == "fwd+bwd",
+            setup=_timed_case(recurrence, shape, device), call=_timed_call,
+            check=lambda p, m, case, out: {"rel_err": common.rel_err(out, case[1][p != "fla_numerator"])},
+            check_modes=("fwd",), check_vs="torch", metrics=("time", "memory"), baseline="torch", shape=shape,
+            dtype=torch.bfloat16, device=device, timing=timing, absent=absent, targets=target,
+            flops=lambda T, m: _flops(B, T, H, D, Lv, m == "fwd+bwd"),
+            min_bytes=lambda T, m: _min_bytes(B, T, H, D, Lv, elt, m == "fwd+bwd", state=True),
+            leaves=lambda case: (*case[0][:4], *case[0][5])))
     for recurrence in cases.RECURRENCES:
-        yield from _decode_rows(recurrence, shape, timer, device)
+        target = (harness.Target("triton", "decode >= 10x the PyTorch path",
+                                 lambda r: None if r.value("torch") is None else r.value("torch") / r.value("triton") >= 10),
+                  ) if recurrence == cases.RECURRENCES[0] else ()
+        benches.append(harness.Bench(
+            op="linear_attention", case=recurrence, x_name="T", x_values=(1,), providers=("triton", "torch"),
+            modes=("decode",), setup=lambda T, recurrence=recurrence: cases.timed_attention(
+                recurrence, 1, T, H, D, Lv, device=device, grad=False),
+            call=_decode_call, baseline="torch", shape=dict(B=1, H=H, D=D, levels=Lv), dtype=torch.bfloat16,
+            device=device, timing=timing, targets=target,
+            flops=lambda T, m: _flops(1, T, H, D, Lv), min_bytes=lambda T, m: _min_bytes(1, T, H, D, Lv, elt, state=True)))
+    return benches
 
 
-def _timed_row(impl, inputs, truth, timer, meta, absent=None) -> dict:
-    """One implementation timed on ``inputs`` in ``meta["mode"]``, its forward's output compared
-    with ``truth`` (a failure is a row with its error, as is a baseline that is ``absent``)."""
-    row = dict(meta, impl=impl)
-    if absent is not None:
-        return dict(row, note=absent)
-    B, T, H, D, Lv = (meta[k] for k in ("B", "T", "H", "D", "levels"))
-    q = inputs[0]
-    backward = meta["mode"] == "fwd+bwd"
-    try:
-        if backward:
-            def thunk():
-                cases.attention_fwd_bwd(impl, *inputs)
-        else:
-            def thunk():
-                with torch.no_grad():
-                    return cases.attention(impl, *inputs)
-            row["rel_err_vs_torch"] = common.rel_err(thunk(), truth)
-        tm = timer(thunk)
-        row.update(time_s=tm, tflops=_flops(B, T, H, D, Lv, backward) / tm / 1e12,
-                   gbps=_min_bytes(B, T, H, D, Lv, q.element_size(), backward, state=True) / tm / 1e9)
-        if q.is_cuda:
-            row["peak_bytes"] = common.cuda_peak_bytes(thunk, leaves=(*inputs[:4], *inputs[5]))
-    except Exception as exc:  # a baseline failing (out of memory, fla on CPU) is recorded
-        row["note"] = f"error: {type(exc).__name__}: {exc}"[:300]
-        if q.is_cuda and not common.cuda_context_lost(q.device):
-            torch.cuda.empty_cache()
-    return row
-
-
-def _compare(rows: list[dict], target: bool, fla_missing: str) -> None:
-    """Each timed row's speedups over the PyTorch path and fla's (on the whole recurrence, and on
-    its numerator alone); ``target``: the Triton row's target (forward+backward within 1.25× of
-    fla's time on the same recurrence), not measured, for ``fla_missing``'s reason, when fla was
-    not timed."""
-    timed = {r["impl"]: r["time_s"] for r in rows if "time_s" in r}
-    for r in rows:
-        if "time_s" in r:
-            r.update({f"speedup_vs_{other}": timed[other] / r["time_s"]
-                      for other in ("torch", "fla", "fla_numerator") if other in timed and other != r["impl"]})
-        if target and r["impl"] == "triton":
-            r["target"] = f"fwd+bwd <= 1.25x fla's time at T={r['T']}"
-            if "time_s" in r and "fla" in timed:
-                r["target_met"] = r["time_s"] <= 1.25 * timed["fla"]
-            elif "time_s" in r:
-                r["note"] = f"target not measured: fla {fla_missing}"
-
-
-def _decode_rows(recurrence: str, shape: dict, timer, device) -> list[dict]:
-    """The decode step (B=1, T=1, the carried state, no autograd): Triton vs the PyTorch path; the
-    default recurrence's Triton row carries the target (≥ 10×)."""
-    q, k, v, w, g, st = cases.timed_attention(recurrence, 1, 1, shape["H"], shape["D"], shape["levels"],
-                                              device=device, grad=False)
-    H, D, Lv = shape["H"], shape["D"], shape["levels"]
-    dec, rows = {}, []
-    for impl in ("triton", "torch"):
-        def thunk(impl=impl):
-            with torch.no_grad():
-                linear_attention(q, k, v, w, level_omegas(Lv), g, st, cases.EPS, backend=impl)
-        row = dict(bench="linear_attention", kind=recurrence, dtype=common.dtype_name(q.dtype), B=1, T=1, H=H,
-                   levels=Lv, D=D, mode="decode", impl=impl)
-        try:
-            tm = dec[impl] = timer(thunk)
-            row.update(time_s=tm, tflops=_flops(1, 1, H, D, Lv) / tm / 1e12,
-                       gbps=_min_bytes(1, 1, H, D, Lv, q.element_size(), state=True) / tm / 1e9)
-        except Exception as exc:  # recorded: the rows above are kept
-            row["note"] = f"error: {type(exc).__name__}: {exc}"[:300]
-        rows.append(row)
-    for row in rows:
-        if "time_s" in row and "torch" in dec:
-            row["speedup_vs_torch"] = dec["torch"] / row["time_s"]
-        if row["impl"] == "triton" and recurrence == cases.RECURRENCES[0]:
-            row["target"] = "decode >= 10x the PyTorch path"
-            if "speedup_vs_torch" in row:
-                row["target_met"] = row["speedup_vs_torch"] >= 10
-    return rows
+def gpu_rows(smoke: bool = False) -> Iterator[dict]:
+    """:func:`gpu_benches`' rows (:mod:`fractus.bench.harness`), a length at a time; after a failure
+    that loses CUDA's context, the rows so far and nothing more."""
+    return harness.run(gpu_benches(smoke))
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -290,7 +249,7 @@ def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
     dots), and over one long call from no state with v and dO around a mean (the numerator and
     the denominator must round alike). fp32: rel_err < 1e-4 (over the long call, like low
     precision with a margin of 1e-4: fp32 accumulation alone errs by ~1e-4 there). bf16 (on CPU
-    through the interpreter, which :mod:`fractus.verify.interpret` makes round it as a GPU does):
+    through the interpreter, which :mod:`fractus.ops.interpreter` makes round it as a GPU does):
     rel_err ≤ that of the PyTorch path in bf16 + 1e-2 (dw, a sum of B·T·H·D mostly cancelling
     terms, 3e-2). The interpreter's bf16 exceeds the PyTorch path's error at these sizes by at most
     3.6e-3 (dq over the long call), dw by 1.7e-2 (T = 300). A decay per (level, head) runs with the

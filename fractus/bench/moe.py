@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from fractus.bench import common
+from fractus.bench import common, harness
 from fractus.ops.moe import moe, moe_reference
 from fractus.verify.cases import MOE_GPU, MOE_TOKENS, moe_case, moe_fwd_bwd
 
@@ -55,10 +55,11 @@ def _impl(name):
     return lambda x, idx, w, ex: moe(x, idx, w, ex, backend=name)
 
 
-def peak_case(impl, N, chunk=None, **dims):
-    """For cpu_peak_bytes: builds a case and returns a forward+backward thunk."""
-    x, idx, w, ex = moe_case(N, **dims)
-    return lambda: moe_fwd_bwd(_impl(impl), x, idx, w, ex, chunk)
+def peak_case(provider, mode, tokens, gather_chunk, **dims):
+    """For :func:`fractus.bench.common.cpu_peak_bytes`: builds a case and returns a forward+backward
+    thunk (the gather baseline in chunks of ``gather_chunk`` tokens)."""
+    x, idx, w, ex = moe_case(tokens, **dims)
+    return lambda: moe_fwd_bwd(_impl(provider), x, idx, w, ex, gather_chunk if provider == "gather" else None)
 
 
 def _flops(N, d, E, F, r, K, lowrank=True):
@@ -75,102 +76,81 @@ def _min_bytes(N, d, E, F, r, K, elt, lowrank=True, backward=False):
 
 
 # ----------------------------------------------------------------------------- CPU
-def cpu_rows(smoke: bool = False) -> list[dict]:
-    """Sorted path vs per-token weight gather, low-rank, fp32, forward+backward (+ peak RSS).
-
-    The two are timed in alternating rounds (the CPU is shared, its load changes by the
-    minute); time_s is the best round, time_median_s the median.
-    """
+def cpu_benches(smoke: bool = False) -> list[harness.Bench]:
+    """The sorted path vs the per-token weight gather, low-rank, fp32, forward+backward, time and peak
+    RSS (each in a fresh process). The two are timed in alternating rounds (the CPU is shared, its
+    load changes by the minute) and compared on their best rounds (``compared``: ``low``)."""
     dims = TINY if smoke else PALIER2
     N = 64 if smoke else 8192
-    chunk = 16 if smoke else GATHER_CHUNK
-    rounds = 2 if smoke else 5
-    impls = (("torch", None), ("gather", chunk))
-    peaks = [common.cpu_peak_bytes("fractus.bench.moe:peak_case", impl=impl, N=N, chunk=ch, **dims)
-             for impl, ch in impls]
-    x, idx, w, ex = moe_case(N, **dims)
-    runs = common.interleaved_times([lambda impl=impl, ch=ch: moe_fwd_bwd(_impl(impl), x, idx, w, ex, ch)
-                                     for impl, ch in impls], rounds)
-    times = {impl: ts for (impl, _), ts in zip(impls, runs)}
-    best = {impl: min(ts) for impl, ts in times.items()}
-    rows = []
-    for (impl, ch), peak in zip(impls, peaks):
-        t = best[impl]
-        rows.append(dict(bench="moe", impl="sorted" if impl == "torch" else "per_token_gather",
-                         mode="fwd+bwd", dtype=common.dtype_name(torch.float32), tokens=N, chunk_tokens=ch or N, **dims,
-                         time_s=t, time_median_s=sorted(times[impl])[rounds // 2], rounds=rounds,
-                         gflops=3 * _flops(N, **dims) / t / 1e9, peak_rss_bytes=peak,
-                         speedup_vs_gather=best["gather"] / t, target=">=10x vs per_token_gather",
-                         target_met=best["torch"] * 10 <= best["gather"]))
-    return rows
+    shape = dict(dims, gather_chunk=16 if smoke else GATHER_CHUNK)
+
+    def call(provider, mode, case):
+        x, idx, w, ex = case
+        chunk = shape["gather_chunk"] if provider == "gather" else None
+        fn = _impl(provider)
+        return lambda: moe_fwd_bwd(fn, x, idx, w, ex, chunk)
+    return [harness.Bench(
+        op="moe", case="lowrank", x_name="tokens", x_values=(N,), providers=("torch", "gather"),
+        setup=lambda N: moe_case(N, **dims), call=call, metrics=("time", "memory"),
+        peak_case="fractus.bench.moe:peak_case", baseline="gather", shape=shape, compared="low",
+        timing=harness.Timing(warmup=1, rounds=2 if smoke else 5, interleave=("torch", "gather")),
+        flops=lambda N, m: 3 * _flops(N, **dims),
+        targets=(harness.Target("torch", ">=10x vs per_token_gather",
+                                lambda r: r.value("torch") * 10 <= r.value("gather")),))]
+
+
+def cpu_rows(smoke: bool = False) -> list[dict]:
+    """:func:`cpu_benches`' rows (:mod:`fractus.bench.harness`)."""
+    return list(harness.run(cpu_benches(smoke)))
 
 
 # ----------------------------------------------------------------------------- GPU
-def gpu_rows(smoke: bool = False) -> Iterator[dict]:
-    """1b dims in bf16: Triton vs the sorted PyTorch path vs a per-expert loop; time, GB/s, TFLOP/s,
-    yielded a case (token count, low-rank or dense experts) at a time. After a failure that loses
-    CUDA's context, the rows so far are yielded and nothing more runs.
+def _timed_call(provider, mode, case):
+    x, idx, w, ex = case
+    fn = _impl(provider)
+    if mode == "fwd+bwd":
+        return lambda: moe_fwd_bwd(fn, x, idx, w, ex)
 
-    smoke=True runs tiny sizes through the Triton interpreter on CPU.
-    """
+    def forward():
+        with torch.no_grad():
+            fn(x, idx, w, ex)
+    return forward
+
+
+def gpu_benches(smoke: bool = False) -> list[harness.Bench]:
+    """1b dims in bf16: Triton vs the sorted PyTorch path vs a per-expert loop, low-rank experts at
+    each token count and dense ones at the first; forward and forward+backward of each
+    implementation in turn; time, GB/s, TFLOP/s. The low-rank Triton rows carry the target (≥ 5×
+    the loop). smoke=True runs tiny sizes through the Triton interpreter on CPU."""
     dtype = torch.bfloat16
-    if smoke:
-        device, dims, tokens = "cpu", TINY, (37,)
-    else:
-        device, dims, tokens = "cuda", MOE_GPU, MOE_TOKENS
+    device, dims, tokens = ("cpu", TINY, (37,)) if smoke else ("cuda", MOE_GPU, MOE_TOKENS)
     elt = torch.finfo(dtype).bits // 8
-    cases = [(N, True) for N in tokens] + [(tokens[0], False)]
-    for N, lowrank in cases:
-        x, idx, w, ex = moe_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device)
-        impls = ("triton", "torch", "loop") if lowrank else ("triton", "torch")
-        case_rows = []
-        for impl in impls:
-            fn = _impl(impl)
-            for mode in ("fwd", "fwd+bwd"):
-                if mode == "fwd":
-                    def thunk():
-                        with torch.no_grad():
-                            fn(x, idx, w, ex)
-                else:
-                    def thunk():
-                        moe_fwd_bwd(fn, x, idx, w, ex)
-                row = dict(bench="moe", kind="lowrank" if lowrank else "dense", impl=impl, mode=mode,
-                           dtype=common.dtype_name(dtype), tokens=N, **dims)
-                try:
-                    t = common.median_time(thunk, warmup=1, reps=2, device=device) if smoke else \
-                        common.median_time(thunk, device=device)
-                    mult = 3 if mode == "fwd+bwd" else 1
-                    row.update(time_s=t, tflops=mult * _flops(N, **dims, lowrank=lowrank) / t / 1e12,
-                               gbps=_min_bytes(N, **dims, elt=elt, lowrank=lowrank,
-                                               backward=mode == "fwd+bwd") / t / 1e9)
-                    if device == "cuda":
-                        row["peak_bytes"] = common.cuda_peak_bytes(thunk, leaves=_params(x, w, ex))
-                except Exception as exc:  # recorded; the other implementations and cases still run
-                    row["note"] = f"error: {type(exc).__name__}: {exc}"[:300]
-                    if common.cuda_context_lost(device):  # every later call would fail too
-                        yield from case_rows + [row]
-                        return
-                    if device == "cuda":
-                        torch.cuda.empty_cache()
-                case_rows.append(row)
-        for row in case_rows:
-            same = {r_["impl"]: r_["time_s"] for r_ in case_rows if r_["mode"] == row["mode"] and "time_s" in r_}
-            if "time_s" in row and "torch" in same:
-                row["speedup_vs_torch"] = same["torch"] / row["time_s"]
-            if lowrank and row["impl"] == "triton":
-                row["target"] = ">=5x vs per-expert loop"
-            if "time_s" in row and "loop" in same:
-                row["speedup_vs_loop"] = same["loop"] / row["time_s"]
-                if row["impl"] == "triton":
-                    row["target_met"] = row["speedup_vs_loop"] >= 5
-        yield from case_rows
-        del x, idx, w, ex
+
+    def bench(lowrank, xs, providers, targets=()):
+        return harness.Bench(
+            op="moe", case="lowrank" if lowrank else "dense", x_name="tokens", x_values=xs, providers=providers,
+            modes=("fwd", "fwd+bwd"), by_provider=True,
+            setup=lambda N: moe_case(N, **dims, lowrank=lowrank, dtype=dtype, device=device), call=_timed_call,
+            metrics=("time", "memory"), baseline="torch", shape=dims, dtype=dtype, device=device,
+            timing=harness.Timing(warmup=1, reps=2), targets=targets,
+            flops=lambda N, m: (3 if m == "fwd+bwd" else 1) * _flops(N, **dims, lowrank=lowrank),
+            min_bytes=lambda N, m: _min_bytes(N, **dims, elt=elt, lowrank=lowrank, backward=m == "fwd+bwd"),
+            leaves=lambda case: _params(case[0], case[2], case[3]))
+    vs_loop = harness.Target("triton", ">=5x vs per-expert loop",
+                             lambda r: None if r.value("loop") is None else r.value("loop") / r.value("triton") >= 5)
+    return [bench(True, tokens, ("triton", "torch", "loop"), (vs_loop,)), bench(False, tokens[:1], ("triton", "torch"))]
+
+
+def gpu_rows(smoke: bool = False) -> Iterator[dict]:
+    """:func:`gpu_benches`' rows (:mod:`fractus.bench.harness`), a case at a time; after a failure
+    that loses CUDA's context, the rows so far and nothing more."""
+    return harness.run(gpu_benches(smoke))
 
 
 def correctness_rows(device, smoke: bool = False) -> Iterator[dict]:
     """Triton vs the fp32 per-token reference: output and every gradient, low-rank and dense.
 
-    fp32: rel_err < tol. bf16 (on CPU through the interpreter, which :mod:`fractus.verify.interpret`
+    fp32: rel_err < tol. bf16 (on CPU through the interpreter, which :mod:`fractus.ops.interpreter`
     makes round it as a GPU does): rel_err vs the fp32 truth ≤ that of the bf16 PyTorch path + 2e-3
     (the interpreter's bf16 exceeds it by at most 6.6e-4 at these sizes, 8.3e-4 at the dry run's;
     mostly the kernels are more accurate). Failures (including exceptions) are recorded, never raised;

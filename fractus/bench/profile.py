@@ -18,15 +18,20 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fractus.bench.common import sync
-from fractus.experiments.optimizations import Setup
+from fractus.bench.setup import SMOKE_DIMS, Setup
 from fractus.model import FractusCTE
-from fractus.training.loop import autocast, make_optimizer
+from fractus.ops import common as ops_backend
+from fractus.ops import kuramoto as kuramoto_op
+from fractus.training.optim import make_optimizer
+from fractus.training.steps import autocast
+from fractus.verify import aot
 
 PHASES = ("forward", "backward", "optimizer")
 LABELS = ("embedding", "attention", "kuramoto", "moe", "head_loss")
@@ -225,7 +230,6 @@ def launched_ops(events) -> int:
 
 def _tiny(setup: Setup, **dims) -> Setup:
     """``setup``'s structure at tiny widths (d=32, vocabulary 512)."""
-    from dataclasses import replace
     keep = dict(setup.dims)
     keep.update(d_model=32, n_heads=2, expert_d_ff=32,
                 expert_rank=8 if setup.config().expert_rank else 0, **dims)
@@ -291,9 +295,6 @@ def gpu_launch_count(setup: Setup) -> int:
     with the Triton path forced and its launches captured instead of run
     (:func:`fractus.verify.aot.capture_model`). Unlike :func:`op_count` (the CPU path, whose sorted MoE
     runs ops per expert) nothing here grows with the experts."""
-    from dataclasses import replace
-
-    from fractus.verify import aot
     tiny = _tiny(setup)
     tiny = replace(tiny, dims=tuple({**dict(tiny.dims), "backend": "triton"}.items()))
     launches = []
@@ -309,20 +310,17 @@ def clock_ops(cfg, rows: int = 256) -> dict[str, int]:
     """Kernel launches of one block's Kuramoto clock, forward + backward, on [rows, N] phases:
     as plain autograd (the reference), on the fused PyTorch path (hand-written RK4 backward) and
     on the Triton path (its ATen ops plus its kernels, captured on CPU instead of run)."""
-    from fractus.verify import aot
-    from fractus.ops import common as B
-    from fractus.ops import kuramoto as K
-
     def count(backend: str) -> int:
         g = torch.Generator().manual_seed(0)
         args = [torch.randn(s, generator=g).requires_grad_()
                 for s in ((rows, cfg.n_oscillators), (cfg.n_oscillators,), (cfg.n_oscillators, cfg.coupling_rank),
                           (cfg.coupling_rank,))]
         launches = []
-        with aot.capture(K, "kuramoto", torch.float32, launches), aot.triton_on_cpu(B), _quiet_native_stderr():
+        with (aot.capture(kuramoto_op, "kuramoto", torch.float32, launches), aot.triton_on_cpu(ops_backend),
+              _quiet_native_stderr()):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                psi = K.kuramoto_phase(*args, cfg.kuramoto_dt, cfg.kuramoto_steps, cfg.kuramoto_damping,
-                                       backend=backend)
+                psi = kuramoto_op.kuramoto_phase(*args, cfg.kuramoto_dt, cfg.kuramoto_steps, cfg.kuramoto_damping,
+                                                 backend=backend)
                 psi.sum().backward()
         return launched_ops(prof.events()) + len(launches)
     return {backend: count(backend) for backend in ("reference", "torch", "triton")}
@@ -353,7 +351,6 @@ def breakdown_rows(name: str, setup: Setup, iters: int = 5, prof_iters: int = 3,
 def gpu_setups(cuda: bool) -> list[tuple[str, Setup]]:
     """The configurations :func:`gpu_rows` profiles: palier0 and palier2 at B=8, C=32, tied
     8192-word head, sparse MoE, fused cross-entropy (smoke dims off CUDA)."""
-    from fractus.experiments.optimizations import SMOKE_DIMS
     dims = () if cuda else tuple(SMOKE_DIMS.items())
     return [(preset, Setup(preset=preset, vocab_size=8192, tie_head=True, sparse_moe=True, chunk_len=32,
                            batch_size=8, fused_ce=True, dims=dims)) for preset in ("palier0", "palier2")]

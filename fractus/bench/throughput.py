@@ -1,6 +1,6 @@
 """End-to-end training throughput: tokens/s and peak memory of optimizer steps.
 
-Steps are the trainer's own (:func:`fractus.training.loop.micro_steps`) on random tokens, so the
+Steps are the trainer's own (:func:`fractus.training.steps.micro_steps`) on random tokens, so the
 numbers measure the model, the kernels and the optimizer, not the data pipeline.
 """
 from __future__ import annotations
@@ -9,13 +9,14 @@ import time
 
 import torch
 
-from fractus.bench.common import in_fresh_process, sync
+from fractus.bench.common import cpu_ceilings, in_fresh_process, sync
 from fractus.model import FractusConfig, FractusCTE
-from fractus.training.loop import make_optimizer, micro_steps, set_active_blocks
+from fractus.training.optim import make_optimizer
+from fractus.training.steps import micro_steps, set_active_blocks
 
 
 def random_batches(g: torch.Generator, vocab_size: int, batch_size: int, chunk_len: int, accum: int):
-    """``accum`` micro-batches of uniform random tokens as :func:`fractus.training.loop.micro_steps` takes
+    """``accum`` micro-batches of uniform random tokens as :func:`fractus.training.steps.micro_steps` takes
     them: (x [B, C], next tokens y [B, C], False: no stream reset)."""
     for _ in range(accum):
         x = torch.randint(0, vocab_size, (batch_size, chunk_len + 1), generator=g)
@@ -24,7 +25,7 @@ def random_batches(g: torch.Generator, vocab_size: int, batch_size: int, chunk_l
 
 class TrainingStep:
     """The trainer's optimizer step on random tokens: ``forward_backward(i)`` runs step ``i``'s
-    micro-steps (:func:`fractus.training.loop.micro_steps`, the state carried from the step before; with
+    micro-steps (:func:`fractus.training.steps.micro_steps`, the state carried from the step before; with
     ``active_blocks``, PGSU's blocks for step ``i``) and says whether their loss was finite,
     ``update()`` the optimizer's step; ``config`` and ``model`` are the model's."""
 
@@ -115,7 +116,6 @@ def cpu_rows(smoke: bool = False, runs: int = 3) -> list[dict]:
     them); ``tok_s`` is the median over runs of each run's median step, the target is judged on
     it, ``tok_s_runs`` lists the runs. ``matmul_gflops_start`` / ``_end``: this CPU's fp32
     matmul speed before and after all runs."""
-    from fractus.bench.costmodel import cpu_ceilings
     cases = ([(p, v, t, {}) for p, v, t in CPU_TARGETS]
              + [(f"original-{p}", v, None, {}) for p, v, _ in CPU_TARGETS]
              + [("original-palier0", v, None, ORIGINAL_OPTIMIZATIONS) for v in (50257, 8192)])

@@ -1,6 +1,6 @@
 """The architecture ablation: which of the CTE's parts and levers make it learn.
 
-Every :class:`Variant` is trained by the trainer itself (:func:`fractus.training.loop.train`, the CLI's
+Every :class:`Variant` is trained by the trainer itself (:func:`fractus.training.command.train`, the CLI's
 code) on the same prepared tokens, the same number of them, from the same seeds, and evaluated
 on the whole held-out split: the original architecture, each lever of the default recipe added to
 it alone, the recipe, the recipe with each lever taken out or one more added, the recipe without
@@ -22,7 +22,7 @@ import pandas as pd
 
 from fractus.model import ORIGINAL, FractusConfig
 from fractus.training.records import append_csv
-from fractus.training.resume import default_lr
+from fractus.training.optim import default_lr
 
 STEP_TOKENS = 2048  # tokens per optimizer step, every variant (make demo's: 8 windows × 256 positions)
 LEVER_NAMES = {"attn_decay": "multi-scale decay", "attn_norm": "RMSNorm read-out (no denominator)",
@@ -108,7 +108,7 @@ def variants(preset: str = "palier0", tried: dict = TRIED, parts: bool = True) -
 def train_variant(v: Variant, data, tokens: int, seed: int, threads: int = 1) -> dict:
     """Train ``v`` for ``tokens`` tokens from ``seed`` in a temporary run directory on ``threads``
     CPU threads; its final validation (the whole held-out split) and training time."""
-    from fractus.training.loop import train  # in the worker process
+    from fractus.training.command import train  # in the worker process
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()
         last = train(v.argv(data, Path(out) / "run", tokens, seed, threads))

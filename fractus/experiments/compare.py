@@ -101,7 +101,7 @@ def train_one(model: str, v: Variant, lr: float, seed: int, tokens: int, data, r
     directory (resuming a stopped run there); its rows, one per evaluation reading."""
     from fractus.training.registry import load_model  # in the worker process
     from fractus.training.runs import read_metrics
-    from fractus.training.loop import train
+    from fractus.training.command import train
     out = run_dir(runs, model, lr, seed, tokens)
     argv = v.argv(data, out, tokens, seed, threads)
     argv[argv.index("--ckpt-every") + 1] = "200"
@@ -216,7 +216,7 @@ def timing(names, data, steps: int = 60, rounds: int = 3, threads: int = 2, mode
     import torch
 
     from fractus.training.runs import read_metrics
-    from fractus.training.loop import train
+    from fractus.training.command import train
     models = {**MODELS, **VARIANTS} if models is None else models
     before = torch.get_num_threads()
     rows = []

@@ -31,7 +31,7 @@ import pandas as pd
 
 from fractus.cli import run_command
 from fractus.training.records import append_csv
-from fractus.training.resume import default_lr
+from fractus.training.optim import default_lr
 
 SMALL, TARGET = "palier0", "palier1"
 # the small stage at its own tuned rate; the target's stages at the rate the run is given
@@ -50,7 +50,7 @@ def train_path(path: str, schedule: str, data, runs: Path, lr: float, seed: int,
                threads: int = 2, reading: list[str] = READING) -> list[dict]:
     """Train ``schedule`` (resuming its directory if it was stopped) at peak rate ``lr`` (every stage
     that names none) from ``seed``; one row per validation, CE on the whole held-out split."""
-    from fractus.training.loop import train
+    from fractus.training.command import train
     out = run_dir(runs, path, schedule, lr, seed)
     argv = ["--schedule", schedule, "--data", str(data), "--out", str(out), "--lr", repr(lr), "--seed", str(seed),
             "--threads", str(threads), "--eval-every", str(eval_every), "--eval-tokens", str(10 ** 12),

@@ -34,7 +34,7 @@ from fractus.data import TokenStreams
 from fractus.model import FractusConfig, FractusCTE
 from fractus.experiments.convergence import ACCURACY_TOL, change_over_last, next_budget
 from fractus.training.records import append_csv
-from fractus.training.loop import lr_lambda, make_optimizer
+from fractus.training.optim import lr_lambda, make_optimizer
 
 BUCKETS = (0, 1, 4, 16, 64, 256, 1024, 4096)  # lower edges of the position buckets (the last runs to the end)
 RESETS = (16, 64, 256, 1024, 4096)  # state reset every R tokens

@@ -1,11 +1,14 @@
 """TRAINING_OPTIMIZATION.md's training optimizations, measured: speed, peak memory and learning.
 
-A :class:`Setup` is one training configuration (model switches + trainer switches). For each
-setup this module measures
+The set-ups are :class:`fractus.bench.setup.Setup` (one training configuration: model switches +
+trainer switches) and the optimization stack of :mod:`fractus.bench.optimizations` (the document's
+optimizations and claims as data, :func:`stack`, :func:`alone`, :func:`toggles`), which the GPU
+suite times too; they are importable from here, beside the measurements that take them, so that a
+notebook reads one module. For each setup this module measures
 
 - speed: tokens/s of the trainer's own optimizer steps on random tokens
-  (:func:`fractus.bench.throughput.measure_training`), always as a ratio to a baseline measured in
-  the same run;
+  (:func:`fractus.bench.optimizations.measure_speed`), in interleaved rounds (:func:`measure_speeds`),
+  always as a ratio to a baseline measured in the same run (:func:`speedup`);
 - peak memory of a first optimizer step (activations, gradients, optimizer state) in a fresh
   process (:func:`peak_bytes`);
 - quality: validation cross-entropy (and bits per byte, which compares across vocabularies)
@@ -13,8 +16,7 @@ setup this module measures
   from several seeds (:func:`train_many`); an optimization's cost is the per-seed difference
   with and without it (:func:`quality_cost`).
 
-:data:`OPTIMIZATIONS` lists the optimizations in TRAINING_OPTIMIZATION.md's cumulative order with its claims
-as data; :func:`stack` builds the cumulative setups. The notebook ``02_optimization_table`` drives it.
+The notebook ``02_optimization_table`` drives it.
 """
 from __future__ import annotations
 
@@ -22,29 +24,28 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes, dtype_name
-from fractus.bench.throughput import measure_training, random_batches
+from fractus.bench.common import cpu_peak_bytes, cuda_peak_bytes
+# the stack and SMOKE_DIMS are not used here: imported for the notebooks (see the module's docstring)
+from fractus.bench.optimizations import (ALONE_EXTRA, EXPECTED, OPTIMIZATIONS, alone, bf16_gain,  # noqa: F401
+                                         measure_speed, stack, toggles)
+from fractus.bench.setup import SMOKE_DIMS, Setup  # noqa: F401
+from fractus.bench.throughput import random_batches
 from fractus.data import TokenStreams, load_meta, load_tokens, prepare
-from fractus.model import PRESETS, FractusConfig, FractusCTE
+from fractus.model import FractusCTE
 from fractus.training.records import REPO
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-from fractus.training.loop import evaluate_text, lr_lambda, make_optimizer, micro_steps, set_active_blocks
-
-TABLE_LR = {"sgd": 0.1, "adamw": 2e-3, "rmsprop": 2e-3}  # the rates the optimization table is measured at
-REFERENCE_TOKENS_PER_STEP = 2048  # the trainer's default step: 8 windows × 256 positions
-# Model dimensions that FRACTUS_SMOKE runs use instead of a preset's: the 'tiny' preset's widths.
-SMOKE_DIMS = {k: PRESETS["tiny"][k] for k in ("d_model", "n_heads", "expert_d_ff", "expert_rank",
-                                              "n_oscillators", "coupling_rank")}
-
+from fractus.training.evaluation import evaluate_text
+from fractus.training.optim import lr_lambda, make_optimizer
+from fractus.training.steps import micro_steps, set_active_blocks
 
 DATA_NAMES = {8192: "shakespeare-8k", 50257: "shakespeare-50k"}
 
@@ -61,79 +62,7 @@ def shakespeare(vocab_size: int) -> Path:
     return out
 
 
-@dataclass(frozen=True)
-class Setup:
-    """One training configuration. Defaults: our reading of TRAINING_OPTIMIZATION.md's unoptimised baseline, on
-    the original architecture. TRAINING_OPTIMIZATION.md states chunk 16, accumulation 1, AdamW, B=1 (4 tok/s); the
-    untied head supervised on every position, every expert computed, the trained clock, vocabulary
-    50257 and the unfused cross-entropy are assumed."""
-    preset: str = "original-palier0"
-    vocab_size: int = 50257
-    tie_head: bool = False
-    head_positions: str = "all"
-    sparse_moe: bool = False  # False: every expert runs for every token (top_k = n_experts)
-    accum: int = 1
-    chunk_len: int = 16
-    detach_kuramoto: bool = False
-    optimizer: str = "adamw"
-    batch_size: int = 1
-    fused_ce: bool = False
-    active_blocks: int = 0  # PGSU: blocks that get weight gradients per step (0 = all)
-    compile: bool = False
-    reduced_vocab: int = 8192  # the vocabulary the "reduced vocabulary" optimization switches to
-    dims: tuple = field(default=())  # (key, value) config overrides, e.g. smoke-size dims
-
-    def config(self) -> FractusConfig:
-        base = FractusConfig.preset(self.preset, **dict(self.dims))
-        over = dict(vocab_size=self.vocab_size, tie_head=self.tie_head, fused_ce=self.fused_ce,
-                    detach_kuramoto=self.detach_kuramoto, top_k=base.top_k if self.sparse_moe else base.n_experts)
-        return FractusConfig.preset(self.preset, **{**dict(self.dims), **over})
-
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.chunk_len * self.accum
-
-    def lr(self) -> float:
-        """Peak learning rate: :data:`TABLE_LR` (AdamW/RMSprop 2e-3, SGD 0.1), set for 2048 tokens
-        per step, scaled by √(tokens per step / 2048). Unscaled, at the original baseline's 16
-        tokens per step (vocabulary 50257), validation CE rises above a uniform guess's (12.9 vs
-        10.8 nats after 32k tokens)."""
-        return TABLE_LR[self.optimizer] * math.sqrt(self.tokens_per_step() / REFERENCE_TOKENS_PER_STEP)
-
-    def trainer_kwargs(self) -> dict:
-        """:func:`fractus.bench.throughput.measure_training`'s keywords for this setup (the learning
-        rate, the timing and the device aside)."""
-        return dict(batch_size=self.batch_size, chunk_len=self.chunk_len, accum=self.accum,
-                    optimizer=self.optimizer, head_positions=self.head_positions,
-                    active_blocks=self.active_blocks, compile=self.compile, **self.model_overrides())
-
-    def model_overrides(self) -> dict:
-        """The config overrides :func:`fractus.bench.throughput.measure_training` takes."""
-        cfg = self.config()
-        return dict(dict(self.dims), vocab_size=cfg.vocab_size, tie_head=cfg.tie_head,
-                    fused_ce=cfg.fused_ce, detach_kuramoto=cfg.detach_kuramoto, top_k=cfg.top_k)
-
-
-# (name, setup change, the document's claim as written, its claimed whole-step gain or None,
-#  how many consecutive optimizations ending here that gain covers). The last three (EXPECTED) are
-#  its "remaining optimizations", with expected gains; fused cross-entropy's ~1.2x names no part of
-#  the step, and is read as the whole step's.
-OPTIMIZATIONS = [
-    ("tied head", dict(tie_head=True), "~1.1x (less optimizer state)", 1.1, 1),
-    ("head-partial (1 of C positions)", dict(head_positions="last"),
-     "~2x on head fwd+bwd; ~1.5x together with the tied head", 1.5, 2),
-    ("gradient accumulation 8", dict(accum=8), "~1.4x", 1.4, 1),
-    ("chunk_len 32", dict(chunk_len=32), "~1.1x", 1.1, 1),
-    ("detached Kuramoto", dict(detach_kuramoto=True), "~1.06x (-8 ms fwd, -8 ms bwd)", 1.06, 1),
-    ("sparse MoE (top-2 of all)", dict(sparse_moe=True), "~1.1x (8x less MoE work at 16 experts)", 1.1, 1),
-    ("SGD instead of AdamW", dict(optimizer="sgd"), "~1.37x", 1.37, 1),
-    ("batch size 8", dict(batch_size=8), "~4x (B=8 vs B=1)", 4.0, 1),
-    ("reduced vocabulary", dict(vocab_size="reduced"), "3-6x on the head (proposed: 50k → 8k)", None, 1),
-    ("fused cross-entropy", dict(fused_ce=True), "~1.2x (memory + launch; not implemented)", 1.2, 1),
-    ("PGSU (half the blocks per step)", dict(active_blocks=-2),
-     "~2x on backward (4 of 16 blocks; in its fractus1B code)", None, 1),
-]
-EXPECTED = tuple(name for name, *_ in OPTIMIZATIONS[-3:])  # gains the original expected, not measured
-# TRAINING_OPTIMIZATION.md's combined table: baseline 4 tok/s; the 7 optimizations above through SGD: ~177x
+# TRAINING_OPTIMIZATION.md's combined table: baseline 4 tok/s; the first 7 of OPTIMIZATIONS, through SGD: ~177x
 # (707 tok/s); + B=8: ~4x (1345 tok/s), ~336x in all. Its own tok/s make the B=8 step
 # 1345 / 707 = 1.9x, not ~4x.
 ORIGINAL_COMBINED = {"baseline_tok_s": 4.0, "through_sgd": 177.0, "through_sgd_tok_s": 707.0,
@@ -143,58 +72,9 @@ BF16_CLAIM = "~2x on all matmuls, halves memory"
 # TRAINING_OPTIMIZATION.md's batch table (section 8): tok/s per batch size, "d=128, 2 blocks"; the rest of its
 # setting is not stated, and its B=1 figure is not the 707 tok/s of its combined table.
 ORIGINAL_BATCH_TOK_S = {1: 335, 2: 598, 4: 894, 8: 1345}
-# Extra single-optimization variants shown next to the cumulative ones (speed alone from the baseline).
-ALONE_EXTRA = [("chunk_len 64", dict(chunk_len=64)), ("chunk_len 128", dict(chunk_len=128)),
-               ("RMSprop instead of AdamW", dict(optimizer="rmsprop"))]
-
-
-def _resolve(setup: Setup, change: dict) -> Setup:
-    change = dict(change)
-    if change.get("active_blocks") == -2:  # half the blocks, at least one
-        change["active_blocks"] = max(1, setup.config().n_layers // 2)
-    if change.get("vocab_size") == "reduced":
-        change["vocab_size"] = setup.reduced_vocab
-    return replace(setup, **change)
-
-
-def stack(base: Setup, optimizations=OPTIMIZATIONS) -> list[tuple[str, Setup]]:
-    """[("baseline", base), (optimization 1, base + 1), (optimization 2, base + 1 + 2), …]."""
-    out, r = [("baseline", base)], base
-    for name, change, *_ in optimizations:
-        r = _resolve(r, change)
-        out.append((name, r))
-    return out
-
-
-def alone(base: Setup, optimizations=OPTIMIZATIONS, extra=ALONE_EXTRA) -> list[tuple[str, Setup]]:
-    """[(optimization, base + that optimization only)] for every optimization and the extra variants."""
-    return [(name, _resolve(base, change)) for name, change, *_ in list(optimizations) + list(extra)]
-
-
-def toggles(base: Setup, optimizations=OPTIMIZATIONS) -> tuple[Setup, list[tuple[str, Setup, Setup]]]:
-    """Each optimization switched on and off in the combined configuration (every optimization but
-    the last, PGSU, stacked on ``base``): returns (combined, [(optimization, with it, without it)]).
-    "Without" puts the optimization's fields back to the baseline's values; the last optimization is
-    added instead."""
-    combined = stack(base, optimizations[:-1])[-1][1]
-    out = []
-    for name, change, *_ in optimizations:
-        on = _resolve(combined, change)
-        off = replace(on, **{k: getattr(base, k) for k in change})
-        out.append((name, on, off))
-    return combined, out
 
 
 # -------------------------------------------------------------------------------- speed
-def measure_speed(setup: Setup, min_tokens: int = 4096, min_steps: int = 3, warmup: int = 1,
-                  device: str = "cpu", bf16: bool = False, backend: str = "auto") -> dict:
-    """tok/s of ``setup``'s optimizer steps (median over ≥ ``min_steps`` and ≥ ``min_tokens``)."""
-    steps = max(min_steps, math.ceil(min_tokens / setup.tokens_per_step()))
-    r = measure_training(setup.preset, lr=setup.lr(), steps=steps, warmup=warmup, device=device, bf16=bf16,
-                         backend=backend, **setup.trainer_kwargs())
-    return {"tok_s": r["tok_s"], "step_s": r["step_s"], "steps_timed": steps, "params": r["params"]}
-
-
 def measure_speeds(setups, rounds: int = 3, seed: int = 0, **kw) -> dict[Setup, list[float]]:
     """tok/s of each setup in ``rounds`` interleaved rounds (:func:`measure_speed`, ``kw``):
     every setup once per round, in an order shuffled per round (none always first, as after a
@@ -424,46 +304,3 @@ def train_many(setups: list[Setup], tokens: int, eval_tokens: int, seeds: Sequen
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
             out = list(ex.map(_train_job, jobs))
     return {r: out[i * len(seeds):(i + 1) * len(seeds)] for i, r in enumerate(setups)}
-
-
-# -------------------------------------------------------------------------------- GPU rows
-def gpu_plan(cuda: bool) -> list[tuple[str, str, Setup, bool, str]]:
-    """(table, optimization, setup, bf16, backend) of each row of :func:`gpu_rows`: the cumulative
-    stack (smoke dims off CUDA), then the last row in fp32 and with the PyTorch kernels."""
-    opts = stack(Setup(dims=tuple(SMOKE_DIMS.items()) if not cuda else ()))
-    last = opts[-1][1]
-    return [("cumulative", name, r, cuda, "auto") for name, r in opts] + [
-        ("variant of the last row", "fp32 (no autocast)", last, False, "auto"),
-        ("variant of the last row", "PyTorch kernels instead of Triton", last, cuda, "torch")]
-
-
-def gpu_rows(smoke: bool = False) -> Iterator[dict]:
-    """The cumulative stack's speed on the GPU (bf16 autocast, Triton kernels), plus the fp32
-    and PyTorch-kernel variants of the last row (:func:`gpu_plan`), a row at a time; for the GPU
-    suite → results/gpu/optimizations.csv. With ``smoke`` (or without CUDA) it runs on CPU at smoke
-    sizes in fp32 with the torch path."""
-    cuda = torch.cuda.is_available() and not smoke
-    device = "cuda" if cuda else "cpu"
-    min_tok = 2048 if cuda else 256  # 128 steps of the B=1 baseline: the stack has 12 rows to time
-    ref = last = None
-    for table, name, r, bf16, backend in gpu_plan(cuda):
-        m = measure_speed(r, min_tokens=min_tok, device=device, bf16=bf16, backend=backend)
-        row = {"table": table, "optimization": name,
-               "dtype": dtype_name(torch.bfloat16 if bf16 else torch.float32), "backend": backend, **m}
-        if table == "cumulative":
-            ref, last = ref or m["tok_s"], m["tok_s"]
-            row["cumulative_speedup"] = m["tok_s"] / ref
-        else:
-            row["speedup_vs_last_row"] = m["tok_s"] / last
-        yield row
-
-
-def bf16_gain(table) -> float | None:
-    """tok/s of :func:`gpu_rows`' last cumulative row (bf16 autocast) over its fp32 variant, from
-    an optimizations table (a DataFrame); None when not measured: a dry run's table (fp32
-    throughout) or a stage stopped before its fp32 row."""
-    cumulative = table[table["table"] == "cumulative"]
-    fp32 = table[table["optimization"] == "fp32 (no autocast)"]
-    if not len(cumulative) or cumulative["dtype"].iloc[-1] != dtype_name(torch.bfloat16) or not len(fp32):
-        return None
-    return 1 / float(fp32["speedup_vs_last_row"].iloc[0])

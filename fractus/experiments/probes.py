@@ -9,14 +9,15 @@ from pathlib import Path
 
 import torch
 
-from fractus.experiments.optimizations import Setup, short_train, shakespeare
+from fractus.bench.setup import Setup
+from fractus.experiments.optimizations import short_train, shakespeare
 from fractus.checkpoint import weights_fingerprint
 from fractus.data import load_meta, load_tokens
 from fractus.merge import distance_to_mean, merge
 from fractus.model import FractusCTE
 from fractus.sample import ORIGINAL_PROMPTS as PROMPTS
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-from fractus.training.loop import evaluate_text
+from fractus.training.evaluation import evaluate_text
 
 # Decoding strategies compared by the repetition probe: name → model.generate keyword arguments.
 STRATEGIES = {

@@ -1,9 +1,10 @@
-"""Backend choice shared by every op in :mod:`fractus.ops`.
+"""What every op in :mod:`fractus.ops` shares: the backend choice, the kernels' output buffers and
+autograd guard, and the decays per level that the recurrences read.
 
 ``"auto"`` runs Triton on CUDA tensors and the fast PyTorch path on CPU tensors.
 ``"triton"`` on CPU tensors runs Triton's interpreter; it needs ``TRITON_INTERPRET=1``
 in the environment before :mod:`triton` is first imported (``tests/conftest.py`` sets it), and
-computes bf16 and tf32 there as a GPU does (:mod:`fractus.verify.interpret`).
+computes bf16 and tf32 there as a GPU does (:mod:`fractus.ops.interpreter`).
 ``"torch"`` and ``"reference"`` force the PyTorch paths.
 """
 from __future__ import annotations
@@ -37,8 +38,8 @@ def pick(backend: str, x: torch.Tensor) -> str:
     if backend == "auto":
         return "triton" if x.is_cuda else "torch"
     if backend == "triton" and not x.is_cuda:
-        from fractus.verify import interpret  # imports Triton's interpreter: only when it runs
-        interpret.install()
+        from fractus.ops import interpreter  # imports Triton's interpreter: only when it runs
+        interpreter.install()
     return backend
 
 
@@ -83,3 +84,13 @@ def first_order_only(backward):
                                "by this kernel's hand-written backward; use backend='reference'")
         return backward(ctx, *grads)
     return checked
+
+
+def level_decays(decay, B: int, T: int, Lv: int, H: int, dtype, device) -> torch.Tensor:
+    """γ per position as [B or 1, T or 1, Lv, H]: ones for None, an [H] decay repeated for every
+    level, a fixed decay the same at every position."""
+    if decay is None:
+        return torch.ones(1, 1, Lv, H, dtype=dtype, device=device)
+    if decay.dim() <= 2:
+        return decay.to(dtype).expand(Lv, H).view(1, 1, Lv, H)
+    return decay.to(dtype).view(B, T, -1, H).expand(B, T, Lv, H)

@@ -1,24 +1,12 @@
-"""The training core, and what its command line runs: ``python -m fractus.train --preset palier0 --data DIR --tokens N --out DIR``.
-
-Each micro-step reads B windows of C tokens of the training split, shuffled, each from an empty
-state (``--sampling windows``, the default), or the next C-token chunk of B contiguous streams,
-the attention state carried, detached, across chunks (``--sampling streams``). An optimizer step accumulates ``--accum`` micro-steps. Validation reports cross-entropy in
-nats/token, bits per byte and perplexity on the held-out split. Checkpoints hold model,
-optimizer, scheduler, data position, every process's carried state and RNG, and the provenance
-of each training session (rank 0's process) from the step it started at (``sessions``:
-:mod:`fractus.training.records` writes a finished run's metrics with it), and are written atomically;
-``--resume`` continues exactly, after the checks of :mod:`fractus.training.resume`.
-``--grow-from CKPT`` starts from a checkpoint grown to the preset (:mod:`fractus.grow`: same
-logits) with a fresh optimizer. SIGINT/SIGTERM save, then exit with code 128 + the signal's number
-(130, 143); ``--stop-after`` saves and exits with 0. A run holds a lock on its directory
-(``OUT/.lock``, released by the OS when the process ends: :mod:`fractus.training.runs`): a second run on it
-is refused. Several processes:
-``torchrun --nproc_per_node=N -m fractus.train …`` (:mod:`fractus.training.ddp`; gloo on CPU, NCCL on CUDA;
-gradients are all-reduced once per optimizer step, on its last micro-step).
+"""One training run, from its parsed options (:mod:`fractus.training.options`) to its final
+validation.
 
 :func:`run` reads top-down: :func:`set_up` (processes, data, model, optimizer), :func:`start` (the
 run directory; a fresh start or :func:`resume_run`), :func:`train_loop` (with :func:`skip_step`
-and :func:`save`), :func:`finish` (final validation and samples).
+and :func:`save`), :func:`finish` (final validation and samples). A step's parts are
+:mod:`fractus.training.steps`', the optimizer :mod:`fractus.training.optim`'s, validation
+:mod:`fractus.training.evaluation`'s; a signal or a run that cannot go on ends it with
+:mod:`fractus.training.stopping`'s exceptions.
 """
 from __future__ import annotations
 
@@ -26,169 +14,39 @@ import argparse
 import contextlib
 import math
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from fractus.allocator import keep_freed_memory
 from fractus.baseline import Transformer, TransformerConfig
-from fractus.checkpoint import load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
-from fractus.cli import device_name, natural, non_negative, number, positive_int, run_command, seed_number
+from fractus.checkpoint import check_fits, load_checkpoint, load_model_state, save_checkpoint, weights_fingerprint
 from fractus.data import ShuffledWindows, TokenStreams, load_meta, load_tokens
-from fractus.training.ddp import agree, gather_states, leave, setup_distributed
 from fractus.grow import grow
-from fractus.ops.common import BACKENDS, check_available
-from fractus.model import PRESETS, FractusConfig, FractusCTE
-from fractus.training.records import provenance
-from fractus.training.resume import (ADAMW_LR, DEFAULT_LR, SAMPLING, WARMUP_FRACTION, check_against_run, check_settings,
-                            check_training_state, data_identity, load_optimizer_state, run_settings, warmup_steps)
-from fractus.training.runs import (RunInUse, append_metrics, check_metrics_record, planned_steps, record_final,
-                          remove_leftover_temps, run_lock, truncate_metrics)
+from fractus.model import FractusConfig, FractusCTE
+from fractus.ops.common import check_available
 from fractus.sample import PROMPTS, sample_text
 from fractus.tokenizer import get_tokenizer, token_byte_lengths
-
-# The largest --lr and --weight-decay: far above any useful value, and small enough that every
-# factor the optimizers derive from them (lr · weight decay, AdamW's lr / (1 − β1)) fits in float32,
-# which torch converts them to (beyond it: an overflow error inside the optimizer's step).
-MAX_RATE = 1e6
-rate = number(float, lambda x: 0 <= x <= MAX_RATE, f"≥ 0 and ≤ {MAX_RATE:g}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m fractus.train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = ap.add_argument
-    a("--model", default="cte", choices=("cte", "transformer"),
-      help="the Fractus CTE, or the Transformer++ it is measured against (fractus.baseline: the preset's "
-           "width and depth, heads of 32, a context of --chunk-len, no carried state)")
-    a("--preset", default="palier0", choices=sorted(PRESETS),
-      help="the model's dimensions (docs/model.md, section 6); its vocabulary is the data's")
-    a("--data", required=True, help="directory written by `python -m fractus.data prepare`")
-    a("--out", required=True, help="run directory: checkpoints, metrics.csv")
-    a("--tokens", type=positive_int, default=3_000_000, help="training tokens (all processes together)")
-    a("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE", help="config overrides, e.g. n_layers=4")
-    a("--batch-size", type=positive_int, default=8, help="windows (or streams) per process (B)")
-    a("--chunk-len", type=positive_int, default=256, help="positions per window or chunk (C)")
-    a("--sampling", choices=SAMPLING, default="windows",
-      help="windows: B non-overlapping windows of C tokens each micro-step, each from a fresh state, every "
-           "window once an epoch in a random order; streams: B contiguous streams read chunk after chunk, "
-           "the state carried from one to the next. Validation reads B contiguous streams, the state "
-           "carried, either way (the transformer: sliding windows)")
-    a("--accum", type=positive_int, default=1, help="micro-steps per optimizer step")
-    a("--head-positions", default="all", choices=("all", "last"))
-    a("--detach-kuramoto", action="store_true")
-    a("--optimizer", default="adamw", choices=("sgd", "adamw", "rmsprop"))
-    a("--lr", type=rate, default=None, help=f"peak learning rate (default: AdamW's tuned per model, {ADAMW_LR}; "
-                                              f"SGD's {DEFAULT_LR['sgd']}, RMSprop's {DEFAULT_LR['rmsprop']})")
-    a("--weight-decay", type=rate, default=0.1, help="weight decay of the matrices (the embedding included; not gains or biases)")
-    a("--warmup", type=natural, default=None,
-      help=f"linear warm-up, in optimizer steps (default: {WARMUP_FRACTION * 100:g} %% of the run's steps)")
-    a("--min-lr-ratio", type=number(float, lambda x: 0 <= x <= 1, "≥ 0 and ≤ 1"), default=0.1,
-      help="cosine decay floor, as a fraction of --lr")
-    a("--grad-clip", type=non_negative, default=1.0, help="gradient norm clip (0 = none)")
-    a("--lb-coef", type=float, default=None, help="load-balance coefficient (default: config's)")
-    a("--active-blocks", type=natural, default=0, help="PGSU: blocks that get weight gradients per step (0 = all)")
-    a("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast (default: on for CUDA)")
-    a("--compile", action="store_true", help="torch.compile the model")
-    a("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
-    a("--backend", default="auto", choices=BACKENDS)
-    a("--eval-every", type=natural, default=200, help="optimizer steps between validations (0 = end only)")
-    a("--eval-tokens", type=positive_int, default=65_536,
-      help="validation tokens per periodic evaluation (whole chunks of every stream, at least one)")
-    a("--ckpt-every", type=natural, default=200, help="optimizer steps between checkpoints (0 = end only)")
-    a("--max-nan", type=positive_int, default=3,
-      help="stop after this many consecutive non-finite steps (loss or gradient)")
-    a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
-    a("--stop-after", type=positive_int, default=None, metavar="STEPS",
-      help="save and stop after STEPS optimizer steps of this invocation, as on SIGTERM (for jobs "
-           "with a time limit; continue with --resume)")
-    a("--grow-from", metavar="CKPT",
-      help="start from CKPT's model grown to the preset (fresh optimizer; ignored with --resume)")
-    a("--schedule", metavar="PRESET:TOKENS,…",
-      help="progressive growth in one run: train each stage's preset for its tokens, then grow into the next "
-           "(e.g. palier0:3M,palier1:6M; a stage may add :lr=LR and :warmup=STEPS); replaces --preset and "
-           "--tokens; stages in OUT/<i>-<preset>, one record in OUT/metrics.csv (fractus.training.schedule)")
-    a("--sample-tokens", type=natural, default=40, help="tokens generated per prompt at the end (0 = none)")
-    a("--seed", type=seed_number, default=1337)
-    a("--threads", type=natural, default=0, help="torch CPU threads (0 = torch's default)")
-    a("--no-progress", action="store_true", help="no tqdm bar")
-    return ap
-
-
-def parse_overrides(pairs: list[str]) -> dict:
-    out = {}
-    for kv in pairs:
-        if "=" not in kv:
-            raise ValueError(f"--set expects KEY=VALUE, got {kv!r}")
-        k, v = kv.split("=", 1)
-        if k in out:
-            raise ValueError(f"--set {k} given twice")
-        for conv in (int, float):
-            try:
-                out[k] = conv(v)
-                break
-            except ValueError:
-                continue
-        else:
-            out[k] = {"true": True, "false": False}.get(v.lower(), v)
-    return out
-
-
-# Settings with their own flag (config fields, and the chunk length, a training setting the config
-# does not hold): --set refuses them, so that one setting has one way in.
-FLAG_FIELDS = {"chunk_len": "--chunk-len", "backend": "--backend", "detach_kuramoto": "--detach-kuramoto",
-               "lb_coef": "--lb-coef"}
-
-
-def make_config(args, vocab_size: int) -> FractusConfig | TransformerConfig:
-    """The model's config: the preset with ``--set``'s overrides and the data's vocabulary (for
-    ``--model transformer``: the preset's d_model and n_layers, a context of ``--chunk-len``)."""
-    over = parse_overrides(args.set)
-    if args.model == "transformer":
-        cte_only = [flag for flag, on in (("--detach-kuramoto", args.detach_kuramoto), ("--lb-coef", args.lb_coef),
-                                          ("--active-blocks", args.active_blocks), ("--grow-from", args.grow_from),
-                                          ("--head-positions last", args.head_positions == "last")) if on]
-        if cte_only:
-            raise ValueError(f"--model transformer has no {', '.join(cte_only)}: they are the Fractus CTE's")
-        if "context" in over or "backend" in over:
-            raise ValueError("set the transformer's context with --chunk-len and its backend with --backend, not --set")
-        dims = {k: PRESETS[args.preset][k] for k in ("d_model", "n_layers")}
-        return TransformerConfig.from_saved({**dims, "vocab_size": vocab_size, **over, "context": args.chunk_len,
-                                    "backend": args.backend})
-    flagged = {k: FLAG_FIELDS[k] for k in over if k in FLAG_FIELDS}
-    if flagged:
-        raise ValueError("set these with their own flags, not --set: "
-                         + ", ".join(f"{k} → {f}" for k, f in flagged.items()))
-    over.setdefault("vocab_size", vocab_size)
-    over["backend"] = args.backend
-    if args.detach_kuramoto:
-        over["detach_kuramoto"] = True
-    if args.lb_coef is not None:
-        over["lb_coef"] = args.lb_coef
-    cfg = FractusConfig.preset(args.preset, **over)
-    if cfg.vocab_size != vocab_size:
-        raise ValueError(f"the model's vocab_size {cfg.vocab_size} differs from the data's {vocab_size}")
-    return cfg
-
-
-def train(argv=None) -> dict:
-    """Run the CLI; returns the final metrics. Raises :class:`Interrupted` after a SIGINT/SIGTERM stop
-    (checkpoint saved; ``main`` exits with 128 + the signal's number)."""
-    args = build_parser().parse_args(argv)
-    if args.schedule:
-        from fractus.training.schedule import run_schedule
-        return run_schedule(args)
-    with contextlib.ExitStack() as held:  # the run directory's lock (rank 0), released however the run ends
-        return run(args, held)
+from fractus.training.ddp import agree, gather_states, leave, setup_distributed
+from fractus.training.evaluation import evaluate_text
+from fractus.training.optim import lr_lambda, make_optimizer, warmup_steps
+from fractus.training.options import make_config
+from fractus.training.records import provenance
+from fractus.training.resume import (check_against_run, check_settings, check_training_state, data_identity,
+                                     load_optimizer_state, run_settings)
+from fractus.training.runs import (append_metrics, check_metrics_record, planned_steps, record_final,
+                                   remove_leftover_temps, run_lock, truncate_metrics)
+from fractus.training.steps import micro_steps, rng_state, set_active_blocks, set_rng_state
+from fractus.training.stopping import Interrupted, NonFiniteLoss, Stop
 
 
 def run(args: argparse.Namespace, held: contextlib.ExitStack) -> dict:
-    """:func:`train` with the parsed arguments; rank 0 enters the run directory's lock into ``held``."""
+    """Train the run the parsed options ``args`` set (a single run, or a schedule's stage); returns
+    its last step's metrics, with its final validation if it reached its last step. Rank 0 enters the
+    run directory's lock into ``held``. Raises :class:`Interrupted` after a SIGINT/SIGTERM stop
+    (checkpoint saved)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     r = set_up(args)
@@ -303,6 +161,7 @@ def set_up(args: argparse.Namespace) -> Run:
     if args.active_blocks and (args.active_blocks > cfg.n_layers or world > 1):
         raise ValueError("--active-blocks must be ≤ n_layers, and is single-process only")
 
+    check_fits(Transformer if args.model == "transformer" else FractusCTE, cfg, "--preset and --set's model", device)
     torch.manual_seed(args.seed)
     if args.model == "transformer":
         model = Transformer(cfg)
@@ -488,220 +347,3 @@ def finish(r: Run, p: Progress, token_bytes: torch.Tensor) -> dict:
         for prompt in PROMPTS:
             print(f"--- {prompt!r} →{sample_text(r.model, prompt, args.sample_tokens, seed=args.seed)!r}")
     return final
-
-
-# -- the steps' parts, which the benchmarks and the vision trainer share ------------------------
-def make_optimizer(model, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
-    if name == "rmsprop":
-        return torch.optim.RMSprop(groups, lr=lr)
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-
-
-def lr_lambda(warmup: int, total: int, floor: float):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
-    return f
-
-
-def autocast(device: torch.device, bf16: bool):
-    if bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def micro_steps(fwd, batches, state, accum: int, head_positions: str, device: torch.device, bf16: bool,
-                no_sync=None):
-    """Forward + backward over ``accum`` chunks of ``batches`` ((x, y, new_epoch) triples),
-    carrying the detached state; gradients accumulate, scaled by 1/accum. ``no_sync``: DDP's
-    ``no_sync`` (gradients are all-reduced on the last micro-step only).
-
-    Returns (mean CE, mean lb, state, finite); with a non-finite loss the gradients are garbage
-    and the caller drops them. Every micro-step runs its backward, finite or not, so that under
-    DDP every rank makes the same all-reduces; the losses are read once per micro-step, after
-    the backward is queued.
-    """
-    ce_sum, lb_sum, finite = 0.0, 0.0, True
-    for i, (x, y, new_epoch) in enumerate(batches):
-        x, y = x.to(device), y.to(device)
-        if new_epoch:
-            state = None
-        with no_sync() if no_sync is not None and i < accum - 1 else contextlib.nullcontext():
-            with autocast(device, bf16):
-                _, parts, state = fwd(x, state, y, head_positions)
-            (parts["loss"] / accum).backward()
-        state = FractusCTE.detach_state(state)
-        loss, ce, lb = torch.stack([parts["loss"].detach(), parts["ce"].detach(), parts["lb"].detach()]).tolist()
-        finite = finite and math.isfinite(loss)
-        ce_sum, lb_sum = ce_sum + ce, lb_sum + lb
-    if not finite:
-        return float("nan"), float("nan"), state, False
-    return ce_sum / accum, lb_sum / accum, state, True
-
-
-READS = ("auto", "carried", "chunks", "sliding")
-
-
-@torch.no_grad()
-def evaluate_text(model, tokens, batch_size: int, chunk_len: int, max_tokens: int | None,
-             token_bytes: torch.Tensor, device: torch.device, bf16: bool = False, read: str = "auto") -> dict:
-    """Held-out CE (nats/token), bits per byte and perplexity over up to ``max_tokens`` targets of
-    ``tokens``, read as ``read`` says:
-
-    - "carried": ``batch_size`` contiguous streams of ``chunk_len``-token chunks, each stream from an
-      empty state that is then carried from chunk to chunk (the CTE's own reading);
-    - "chunks": the same chunks, each read on its own from an empty state;
-    - "sliding": windows of the transformer's ``context`` every ``context / 2`` tokens, ``batch_size``
-      at a time; the first window scores all its targets, each later one the targets no earlier
-      window scored, so every scored target but the first window's sees at least ``context / 2``
-      tokens (the reading of a model that carries no state);
-    - "auto": "carried" for a model with a state, "sliding" for one without (:class:`Transformer`).
-    """
-    if read not in READS:
-        raise ValueError(f"read must be one of {READS}, got {read!r}")
-    if read == "auto":
-        read = "sliding" if isinstance(model, Transformer) else "carried"
-    was = model.training
-    model.eval()
-    if read == "sliding":
-        batches = _windows(tokens, model.cfg.context, model.cfg.context // 2, batch_size, max_tokens)
-    else:
-        batches = _chunks(tokens, batch_size, chunk_len, max_tokens)
-    ce_sum, n_tok, n_bytes, state = 0.0, 0, 0, None
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with autocast(device, bf16):
-            _, parts, state = model(x, state if read == "carried" else None, y)
-        n = int(parts["n"])
-        ce_sum += parts["ce"].item() * n
-        n_tok += n
-        n_bytes += int(token_bytes[y[y != -100].cpu()].sum())
-    model.train(was)
-    ce = ce_sum / n_tok
-    return {"val_ce": ce, "val_bpb": ce_sum / math.log(2) / max(1, n_bytes), "val_ppl": math.exp(ce),
-            "val_tokens": n_tok}
-
-
-def _chunks(tokens, batch_size: int, chunk_len: int, max_tokens: int | None):
-    """(x, y) [batch_size, chunk_len]: the next chunk of every stream, up to ``max_tokens`` targets."""
-    streams = TokenStreams(tokens, batch_size, chunk_len)
-    n_chunks = streams.chunks_per_epoch
-    if max_tokens:
-        n_chunks = max(1, min(n_chunks, max_tokens // (batch_size * chunk_len)))
-    for _ in range(n_chunks):
-        yield streams.next()[:2]
-
-
-def _windows(tokens, context: int, stride: int, batch_size: int, max_tokens: int | None):
-    """(x, y) [≤ batch_size, L] (L = context, or the split's length if shorter): sliding windows of
-    ``tokens`` every ``stride`` positions and one ending at the split's end; y is -100 (not scored)
-    at the targets an earlier window scored. Stops once ``max_tokens`` targets are scored."""
-    n = len(tokens) - 1  # targets: tokens[1:]
-    L = min(context, n)
-    starts = list(range(0, n - L + 1, stride))
-    if starts[-1] != n - L:
-        starts.append(n - L)
-    windows, scored_to, total = [], 0, 0
-    for s in starts:
-        windows.append((s, scored_to - s))  # (start, offset of its first target to score)
-        total += s + L - scored_to
-        scored_to = s + L
-        if max_tokens and total >= max_tokens:
-            break
-    for i in range(0, len(windows), batch_size):
-        group = windows[i:i + batch_size]
-        rows = torch.from_numpy(np.stack([np.asarray(tokens[s:s + L + 1], dtype=np.int64) for s, _ in group]))
-        x, y = rows[:, :-1], rows[:, 1:].clone()
-        for j, (_, first) in enumerate(group):
-            y[j, :first] = -100
-        yield x, y
-
-
-def set_active_blocks(model: FractusCTE, k: int, seed: int, step: int) -> list[int]:
-    """PGSU: only ``k`` of ``model``'s blocks, drawn from ``seed`` and ``step``, train this step
-    (the others' parameters stop requiring gradients; a detached clock stays frozen); returns
-    their indices."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    active = sorted(torch.randperm(len(model.blocks), generator=g)[:k].tolist())
-    for i, blk in enumerate(model.blocks):
-        blk.requires_grad_(i in active)
-        if blk.clock is not None and model.cfg.detach_kuramoto:
-            blk.clock.requires_grad_(False)
-    return active
-
-
-
-# -- stopping -------------------------------------------------------------------------------------
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
-class Interrupted(BaseException):
-    """Training stopped by a signal (this process's ``signum``, else SIGTERM: a peer's), after the
-    checkpoint was saved. A BaseException, as KeyboardInterrupt: ``except Exception`` lets it pass."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class Stop:
-    """Set by SIGINT/SIGTERM: the trainer finishes its step, saves and exits. A SIGTERM that a
-    caller's own Python handler was waiting for (e.g. the GPU suite's) is handed on to it then."""
-
-    def __init__(self):
-        self.requested = False
-        self.signum = None
-        self._old = {}
-
-    def __enter__(self):
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested, self.signum = True, signum
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        old = self._old.get(self.signum)
-        if self.signum == signal.SIGTERM and callable(old):
-            old(self.signum, None)
-
-
-def rng_state() -> dict:
-    st = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def set_rng_state(st: dict) -> None:
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
-
-RESUME_HINT = "interrupted; --resume continues from the last checkpoint, if one was written"
-
-
-def main(argv=None) -> None:
-    keep_freed_memory()
-
-    def body():
-        try:
-            train(argv)
-        except Interrupted as e:  # saved; not 0, so that `train && evaluate` does not go on
-            sys.exit(128 + e.signum)
-    # Ctrl-C outside the training loop (set-up, final validation, samples): RESUME_HINT
-    run_command(body, errors=(NonFiniteLoss, RunInUse), interrupted=RESUME_HINT)
-

@@ -30,7 +30,7 @@ from fractus.cli import run_command
 from fractus.training.resume import check_training_state
 from fractus.training.runs import RUN_FILES, planned_steps, read_metrics
 
-REPO = Path(__file__).resolve().parents[1]  # the checkout: results/, data/
+REPO = Path(__file__).resolve().parents[2]  # the checkout: results/, data/
 
 
 def _code_cells(notebook_json: str) -> list[str]:

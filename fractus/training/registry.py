@@ -17,6 +17,6 @@ def load_model(path, backend: str | None = None) -> nn.Module:
     replaces the kernels' backend it was saved with."""
     ckpt = load_checkpoint(path)
     arch = ckpt.get("arch", "cte")
-    if arch not in MODELS:
+    if not isinstance(arch, str) or arch not in MODELS:
         raise CheckpointError(f"{path}: unknown model kind 'arch' {arch!r}; expected one of {sorted(MODELS)}")
     return model_from_checkpoint(ckpt, path, *MODELS[arch], backend)

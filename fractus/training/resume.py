@@ -21,29 +21,7 @@ import torch
 
 from fractus.checkpoint import CheckpointError, describe
 from fractus.model import FractusConfig
-
-# AdamW's peak learning rate per model family, each the rate of lowest mean validation CE at 3 M
-# tokens (results/compare_cpu.csv): the default CTE and the Transformer++ at make demo's setting, the
-# original architecture at its own (32 streams of 64, 50 warm-up steps)
-ADAMW_LR = {"cte": 6e-3, "original": 1.5e-3, "transformer": 1.5e-3}
-DEFAULT_LR = {"sgd": 0.1, "adamw": ADAMW_LR["cte"], "rmsprop": 2e-3}  # each optimizer's peak learning rate
-WARMUP_FRACTION = 0.05  # the default linear warm-up: this fraction of the run's optimizer steps
-
-
-def warmup_steps(warmup: int | None, total_steps: int) -> int:
-    """The run's warm-up in optimizer steps: ``--warmup`` if given, else WARMUP_FRACTION of them."""
-    return round(WARMUP_FRACTION * total_steps) if warmup is None else warmup
-
-
-def model_family(model: str | None, preset: str) -> str:
-    """"transformer", "original" (an ``original-*`` preset) or "cte"."""
-    return "transformer" if model == "transformer" else "original" if preset.startswith("original-") else "cte"
-
-
-def default_lr(optimizer: str, model: str | None, preset: str) -> float:
-    """The peak learning rate without --lr: AdamW's tuned per model family, the others' per optimizer."""
-    return ADAMW_LR[model_family(model, preset)] if optimizer == "adamw" else DEFAULT_LR[optimizer]
-
+from fractus.training.optim import DEFAULT_LR, default_lr
 
 SAMPLING = ("streams", "windows")  # how the trainer reads the training split (fractus.data)
 

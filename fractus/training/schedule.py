@@ -32,7 +32,11 @@ from fractus.atomic import atomic_open
 from fractus.data import load_meta
 from fractus.grow import check_growable
 from fractus.model import FractusCTE
-from fractus.training.runs import METRIC_FIELDS, planned_steps, read_metrics, remove_leftover_temps, run_lock
+from fractus.training.loop import run
+from fractus.cli import natural
+from fractus.training.options import make_config, rate
+from fractus.training.runs import (METRIC_FIELDS, RUN_FILES, planned_steps, read_metrics, remove_leftover_temps,
+                                  run_lock)
 
 GROWN_WARMUP = 10  # warm-up steps of a grown stage (a fresh optimizer on trained weights)
 SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}
@@ -48,7 +52,10 @@ class Stage:
 
 
 def parse_schedule(text: str) -> list[Stage]:
-    """``PRESET:TOKENS[:lr=LR][:warmup=STEPS],…`` → stages; ValueError naming a bad stage."""
+    """``PRESET:TOKENS[:lr=LR][:warmup=STEPS],…`` → stages; ValueError naming a bad stage. A stage's
+    rate passes the checks ``--lr`` does (finite, 0 … :data:`fractus.training.options.MAX_RATE`)
+    and each option is given at most once."""
+    types = {"lr": rate, "warmup": natural}
     stages = []
     for part in text.split(","):
         fields = part.strip().split(":")
@@ -59,13 +66,17 @@ def parse_schedule(text: str) -> list[Stage]:
         opts = {}
         for opt in fields[2:]:
             key, _, value = opt.partition("=")
+            if key not in types:
+                raise ValueError(f"--schedule: stage {part!r}: {opt!r} is not lr=LR or warmup=STEPS")
+            if key in opts:
+                raise ValueError(f"--schedule: stage {part!r} gives {key} twice")
             try:
-                opts[key] = {"lr": float, "warmup": int}[key](value)
-            except (KeyError, ValueError):
-                raise ValueError(f"--schedule: stage {part!r}: {opt!r} is not lr=LR or warmup=STEPS") from None
+                opts[key] = types[key](value)
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                raise ValueError(f"--schedule: stage {part!r}: {key} {e}") from None
         tokens = int(float(m.group(1)) * SUFFIX[m.group(2)])
-        if tokens < 1 or opts.get("lr", 0) < 0 or opts.get("warmup", 0) < 0:
-            raise ValueError(f"--schedule: stage {part!r} needs tokens ≥ 1, lr ≥ 0 and warmup ≥ 0")
+        if tokens < 1:
+            raise ValueError(f"--schedule: stage {part!r} needs tokens ≥ 1")
         stages.append(Stage(fields[0], tokens, opts.get("lr"), opts.get("warmup")))
     return stages
 
@@ -95,7 +106,6 @@ def finished(args: argparse.Namespace) -> bool:
 def check_schedule(args: argparse.Namespace, stages: list[Stage]) -> list[int]:
     """ValueError unless every stage can grow into the next (same data vocabulary, growable
     configs); each stage's active parameters per token."""
-    from fractus.training.loop import make_config
     if args.model != "cte":
         raise ValueError("--schedule grows the Fractus CTE; growth is not defined for --model transformer")
     if args.resume and args.grow_from:
@@ -132,10 +142,32 @@ def write_record(out: Path, stages: list[Stage], models_active: list[int]) -> No
         w.writerows({k: r.get(k, "") for k in COLUMNS} for r in rows)
 
 
+def saved_schedule(path: Path) -> dict:
+    """The schedule ``path`` (``OUT/schedule.json``) records; ValueError naming it when it is not
+    one (unparsable, or not {"schedule": [stages]})."""
+    try:
+        saved = json.loads(path.read_text())
+        if not (isinstance(saved, dict) and isinstance(saved.get("schedule"), list)
+                and all(isinstance(s, dict) for s in saved["schedule"])):
+            raise ValueError("not a schedule's record")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is damaged ({e}): it cannot say which schedule --resume continues; "
+                         "start the schedule again in another --out") from None
+    return saved
+
+
+def clear_unstarted(stage_out: Path) -> None:
+    """A stage stopped before its first checkpoint (killed, a full disk) holds nothing to resume:
+    its run files go, so that it starts again rather than being refused for ever."""
+    if stage_out.is_dir() and not (stage_out / "ckpt.pt").exists():
+        for name in RUN_FILES:
+            (stage_out / name).unlink(missing_ok=True)
+        remove_leftover_temps([stage_out / name for name in RUN_FILES])
+
+
 def run_schedule(args: argparse.Namespace) -> dict:
     """Train every stage of ``args.schedule`` in turn (see the module's docstring); returns the last
     stage's final metrics. Raises as the trainer does (a stop by a signal: after saving)."""
-    from fractus.training.loop import run
     stages = parse_schedule(args.schedule)
     out = Path(args.out)
     active = check_schedule(args, stages)
@@ -143,9 +175,9 @@ def run_schedule(args: argparse.Namespace) -> dict:
     with run_lock(out):
         remove_leftover_temps([out / "metrics.csv", out / "schedule.json"])
         if args.resume:
-            saved = json.loads((out / "schedule.json").read_text()) if (out / "schedule.json").exists() else None
-            if saved is None:
+            if not (out / "schedule.json").exists():
                 raise FileNotFoundError(f"--resume: no schedule.json in {out}")
+            saved = saved_schedule(out / "schedule.json")
             if saved != plan:
                 raise ValueError(f"--resume with another schedule than {out}'s: {saved['schedule']} vs {plan['schedule']}")
         elif (out / "schedule.json").exists():
@@ -155,6 +187,8 @@ def run_schedule(args: argparse.Namespace) -> dict:
             f.write(json.dumps(plan, indent=1))
         last = {}
         for i in range(len(stages)):
+            if args.resume:
+                clear_unstarted(stage_dir(out, stages, i))
             a = stage_args(args, stages, i)
             if a.resume and finished(a):
                 print(f"stage {i} ({stages[i].preset}): finished, kept")
@@ -168,4 +202,5 @@ def run_schedule(args: argparse.Namespace) -> dict:
                 write_record(out, stages, active)
             if not finished(a):  # --stop-after: the schedule stops with its stage
                 break
+        write_record(out, stages, active)  # the record again from the stages' own (a damaged one is replaced)
     return last

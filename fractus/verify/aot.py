@@ -111,15 +111,22 @@ def kernels_of(module) -> dict:
     return {n: k for n, k in vars(module).items() if isinstance(k, KernelInterface) and "kernel" in n}
 
 
+def with_submodules(module) -> list:
+    """``module`` and, for a package, every submodule of it loaded so far (an op's kernels live in
+    ``fractus.ops.<op>.kernels``, which the op's package imports)."""
+    prefix = module.__name__ + "."
+    return [module] + [m for n, m in list(sys.modules.items()) if n.startswith(prefix) and m is not None]
+
+
 def kernel_names(op: str) -> set[str]:
     """The names of ``fractus.ops.<op>``'s Triton kernels: what a complete capture of the op compiles."""
-    return set(kernels_of(importlib.import_module(f"fractus.ops.{op}")))
+    return {n for m in with_submodules(importlib.import_module(f"fractus.ops.{op}")) for n in kernels_of(m)}
 
 
 @contextmanager
 def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
-    """Replace every Triton kernel of ``module`` by a recorder of its launches (nothing runs:
-    outputs stay as allocated)."""
+    """Replace every Triton kernel of ``module`` (and of its submodules: :func:`with_submodules`) by a
+    recorder of its launches (nothing runs: outputs stay as allocated)."""
 
     class Recorder:
         def __init__(self, name, kernel):
@@ -132,14 +139,14 @@ def capture(module, op: str, dtype: torch.dtype, launches: list[Launch]):
                 launches.append(Launch(op, str(dtype).replace("torch.", ""), self.name, stand_in(args), specs))
             return record
 
-    kernels = kernels_of(module)
+    kernels = [(m, n, k) for m in with_submodules(module) for n, k in kernels_of(m).items()]
     try:
-        for n, k in kernels.items():
-            setattr(module, n, Recorder(n, k))
+        for m, n, k in kernels:
+            setattr(m, n, Recorder(n, k))
         yield
     finally:
-        for n, k in kernels.items():
-            setattr(module, n, k)
+        for m, n, k in kernels:
+            setattr(m, n, k)
 
 
 def _run_linear_attention(dtype):
@@ -156,30 +163,30 @@ def _run_linear_attention(dtype):
     for B, T, carried, on_state in ((2, 2048, False, True), (2, 2048, False, False), (1, 2048, False, False),
                                     (2, 100, True, True)):
         q, k, v, w, g, st = attention_case(B, T, H, D, Lv, decay=carried, state=carried, dtype=dtype)
-        o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
+        o, (S, z) = la.linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
         (o.float().sum() + (S.sum() + z.sum() if on_state else 0)).backward()
     for normalize, on_state in ((True, True), (False, True), (False, False)):  # a decay per (level, head)
         q, k, v, w, g, st = attention_case(2, 300, 3, D, Lv, decay="level", state=True, dtype=dtype)
-        o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
+        o, (S, z) = la.linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
         (o.float().sum() + (S.sum() + z.sum() if on_state else 0)).backward()
     for decay in (False, True):  # a carried state without decay and with one (the decay's strides specialise)
         q, k, v, w, g, st = attention_case(2, 200, 2, D, Lv, decay=decay, state=True, dtype=dtype)
-        o, (S, z) = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
+        o, (S, z) = la.linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
         (o.float().sum() + S.sum() + z.sum()).backward()
     for B, T in ((2, 300), (2, 40)):  # a decay per position, the gate's: its gradient too
         q, k, v, w, g, st = attention_case(B, T, 3, D, Lv, decay="position", dtype=dtype)
-        o, _ = la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g.requires_grad_(), st, 1e-6)
+        o, _ = la.linear_attention_triton(q, k, v, w, level_omegas(Lv), g.requires_grad_(), st, 1e-6)
         o.float().sum().backward()
     for T in (512, 2048):  # the forward alone, with a chunk count divisible by 16 and one not
         q, k, v, w, g, st = attention_case(2, T, H, D, Lv, dtype=dtype, grad=False)
-        la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
+        la.linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6)
     for T, normalize in ((1, True), (5, True), (1, False)):  # decode: one token and a short prefix
         q, k, v, w, g, st = attention_case(2, T, H, D, Lv, state=True, dtype=dtype, grad=False)
-        la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
+        la.linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
     for T, decay, normalize in ((3, "position", True), (7, "position", True), (1, True, True), (7, True, True),
                                 (1, "level", False)):  # decode with each kind of decay
         q, k, v, w, g, st = attention_case(2, T, 3, D, Lv, decay=decay, state=True, dtype=dtype, grad=False)
-        la._linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
+        la.linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
 
 
 def _run_moe(dtype):
@@ -292,7 +299,7 @@ def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int 
     scored). ``steps=0``: generation as the GPU suite times it instead. ``overrides`` go to the config."""
     from fractus.model import FractusConfig, FractusCTE
     from fractus.verify.cases import GEN_PROMPT
-    from fractus.training.loop import autocast, micro_steps, set_active_blocks
+    from fractus.training.steps import autocast, micro_steps, set_active_blocks
     cfg = FractusConfig.preset(preset, backend="triton", **overrides)
     torch.manual_seed(0)
     model = FractusCTE(cfg)
@@ -308,7 +315,7 @@ def _run_model(preset: str, steps: int = 1, batch_size: int = 8, chunk_len: int 
         x = torch.randint(0, cfg.vocab_size, (batch_size, chunk_len + 1))
         _, _, state, _ = micro_steps(model, [(x[:, :-1], x[:, 1:], False)], state, 1, head_positions, cpu, bf16)
     with torch.no_grad(), autocast(cpu, bf16):
-        model.step(x[:, :1], state)
+        model.step(x[:, 0], state)
 
 
 def launches(ops=tuple(OPS), dtypes=SUITE_DTYPES, presets=(), extras=()) -> list[Launch]:
@@ -332,12 +339,9 @@ def launches(ops=tuple(OPS), dtypes=SUITE_DTYPES, presets=(), extras=()) -> list
             importlib.import_module(entry)
         except ImportError:
             continue
-        package, first = entry.split(".")[0], len(out)
+        package, first = sys.modules[entry.split(".")[0]], len(out)
         try:
-            with ExitStack() as stack:
-                for mod in [m for n, m in list(sys.modules.items()) if n.split(".")[0] == package and m is not None]:
-                    stack.enter_context(capture(mod, f"extra[{name}]", torch.bfloat16, out))
-                stack.enter_context(triton_on_cpu(backend))
+            with capture(package, f"extra[{name}]", torch.bfloat16, out), triton_on_cpu(backend):
                 run()
         except Exception as e:  # compiled when it is timed instead (an error recorded there)
             del out[first:]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from fractus.ops import linear_attention as la_kernels
+from fractus.ops.linear_attention import kernels as la_kernels
 from fractus.ops.linear_attention import linear_attention
 from fractus.model import level_omegas, multiscale_decays
 
@@ -119,11 +119,11 @@ def fla_attention():
 @contextlib.contextmanager
 def _backward_chunk(n):
     """The Triton backward's chunk length set to ``n`` for the duration."""
-    default, la_kernels._BWD_CHUNK = la_kernels._BWD_CHUNK, n
+    default, la_kernels.BWD_CHUNK = la_kernels.BWD_CHUNK, n
     try:
         yield
     finally:
-        la_kernels._BWD_CHUNK = default
+        la_kernels.BWD_CHUNK = default
 
 
 # ours; fla's on the whole recurrence; fla's on its numerator alone (v's own width: fla's kernels at

@@ -12,6 +12,7 @@ from fractus.bench import costmodel as cm
 from fractus.bench import cpu_costmodel as C
 from fractus.bench.gpu import DRY_SWEEP, train_setup
 from fractus.bench.throughput import TrainingStep
+from fractus.model import FractusConfig, FractusCTE
 
 
 def test_smoke_run_writes_the_fit_and_the_check(tmp_path):
@@ -108,3 +109,58 @@ def test_the_host_cost_per_op_is_a_tiny_steps_time_over_its_ops(one_thread):
     """Microseconds per op: more than an empty Python call, less than the tiny step's whole time."""
     s = C.host_op_seconds("tiny", steps=2)
     assert 1e-7 < s < 1e-3
+
+
+@pytest.mark.parametrize("preset", ["tiny", "palier0", "original-palier0"])
+@pytest.mark.parametrize("over", [{}, {"tie_head": False}, {"expert_rank": 0}, {"router": "linear"},
+                                  {"attn_norm": "rms", "short_conv": 3}])
+def test_param_count_matches_the_model(preset, over):
+    cfg = FractusConfig.preset(preset, **over)
+    model = FractusCTE(cfg)
+    assert cm.num_params(cfg) == model.num_params()
+    assert cm.active_params(cfg) == model.num_params(active=True) == cm.chinchilla_tokens(cfg, 1.0, active=True)
+    assert cm.chinchilla_tokens(cfg) == 20 * model.num_params()
+
+
+def test_flops_rules():
+    cfg, C = FractusConfig.preset("palier0"), 32
+    fwd = cm.flops_per_token(cfg, training=False, chunk_len=C)
+    train = cm.flops_per_token(cfg, training=True, chunk_len=C)
+    assert set(fwd) == set(cm.COMPONENTS) and fwd["embedding"] == 0
+    for k in ("attention", "moe", "head", "norms", "kuramoto"):
+        assert train[k] == pytest.approx(3 * fwd[k]) and fwd[k] > 0
+    det = cm.flops_per_token(FractusConfig.preset("palier0", detach_kuramoto=True), training=True, chunk_len=C)
+    assert det["kuramoto"] == pytest.approx(fwd["kuramoto"])  # no backward through a detached clock
+    last = cm.flops_per_token(cfg, chunk_len=C, head_positions="last")
+    assert last["head"] * C == pytest.approx(train["head"])
+    # the head is 2·d·V multiply-adds per token forward, plus the softmax
+    assert fwd["head"] >= 2 * cfg.d_model * cfg.vocab_size
+    # dense experts cost 4·d·F per expert, low-rank 4·(d + F)·r: palier0's low rank is cheaper
+    dense = cm.flops_per_token(FractusConfig.preset("palier0", expert_rank=0), training=False, chunk_len=C)
+    assert dense["moe"] > fwd["moe"]
+    # every expert for every token (top_k = E) doubles palier0's expert work (E = 4, K = 2)
+    allx = cm.flops_per_token(FractusConfig.preset("palier0", top_k=4), training=False, chunk_len=C)
+    assert 1.5 < allx["moe"] / fwd["moe"] <= 2.0
+    with pytest.raises(ValueError):
+        cm.flops_per_token(cfg, chunk_len=C, head_positions="first")
+
+
+def test_bytes_and_roofline():
+    cfg = FractusConfig.preset("palier0")
+    small, big = cm.bytes_per_token(cfg, 32, chunk_len=32), cm.bytes_per_token(cfg, 4096, chunk_len=32)
+    assert all(big[k] <= small[k] for k in cm.COMPONENTS)  # weights amortised over more tokens
+    at = cm.bytes_per_token(cfg, 256, chunk_len=32)
+    assert cm.bytes_per_token(cfg, 256, chunk_len=32, fused_ce=False)["head"] > at["head"]
+    assert cm.bytes_per_token(cfg, 256, chunk_len=32, dtype_bytes=2)["moe"] < at["moe"]
+    kw = dict(peak_flops=1e11, peak_bw=1e10, batch_size=8, chunk_len=32)
+    bound = cm.roofline(cfg, **kw)
+    slow = cm.roofline(cfg, **kw, n_ops=1000, op_overhead_s=1e-5)
+    assert bound["tok_s"] == pytest.approx(1 / sum(bound["components"].values()))
+    assert slow["tok_s"] < bound["tok_s"]
+    assert slow["components"]["dispatch"] == pytest.approx(1000 * 1e-5 / (8 * 32))
+    compute_free = cm.roofline(cfg, peak_flops=1e30, peak_bw=1e10, chunk_len=32)
+    assert all(compute_free["bound"][k] == "memory" for k in cm.COMPONENTS)
+    assert cm.optimizer_cost(cfg, "adamw", 256)["bytes"] > cm.optimizer_cost(cfg, "sgd", 256)["bytes"]
+    assert cm.time_to_train(1e6, 1e3) == 1e3
+    with pytest.raises(ValueError):
+        cm.time_to_train(1e6, 0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fractus.bench.gpu import KERNELS, run_suite
+from fractus.bench.harness import COLUMNS
 from util import ROOT
 
 
@@ -48,23 +49,30 @@ def test_gpu_suite_dry_run(dry_run):
     # the baselines: every implementation's output compared with the same truth; Liger runs in the
     # interpreter and agrees; fla's kernels do not run there (its error recorded, the target not measured).
     # The timings run in bf16, as on the GPU: agreement within bf16's rounding (measured: 2e-3 to 4e-3)
-    ce = pd.read_csv(tmp_path / "timing_cross_entropy.csv").set_index("impl")
-    assert (ce.loc[["triton", "liger"], ["rel_err_loss", "rel_err_dh", "rel_err_dw"]] < 1e-2).all().all()
+    for k in (*KERNELS, "kuramoto"):  # every timing in the harness's one schema, with its derived rates
+        t = pd.read_csv(tmp_path / f"timing_{k}.csv")
+        assert list(t.columns[:len(COLUMNS)]) == list(COLUMNS) and (t["op"] == k).all(), k
+        timed = t[t["metric"] == "time"].dropna(subset=["median"])
+        rates = t[t["metric"].isin(["tflops", "gbps"])]
+        assert len(timed) and len(rates) == 2 * len(timed) and (timed["median"] > 0).all() and (rates["median"] > 0).all(), k
+    ce = pd.read_csv(tmp_path / "timing_cross_entropy.csv")
+    errs = ce[ce["provider"].isin(["triton", "liger"]) & ce["metric"].str.startswith("rel_err_")]
+    assert set(errs["metric"]) == {"rel_err_loss", "rel_err_dh", "rel_err_dw"} and len(errs) == 6
+    assert (errs["median"] < 1e-2).all() and (errs["baseline"] == "naive (fp32)").all()
     la = pd.read_csv(tmp_path / "timing_linear_attention.csv")  # the default's recurrence and the original's
-    assert (la["dtype"] == "bfloat16").all() and list(la["kind"].unique()) == ["default", "original"]
-    for kind, t in la.groupby("kind"):
-        fwd = t[t["mode"] == "fwd"].set_index("impl")
-        assert (fwd.loc[["triton", "torch"], "rel_err_vs_torch"] < 1e-2).all(), kind
-        assert fwd.loc[["fla", "fla_numerator"], "note"].str.startswith("error:").all()  # fla's kernels: not on CPU
-        assert set(t.loc[t["mode"] == "fwd+bwd", "impl"]) == {"triton", "triton_bwd64", "torch", "fla", "fla_numerator"}
-        assert set(t.loc[t["mode"] == "decode", "impl"]) == {"triton", "torch"}
+    assert (la["dtype"] == "bfloat16").all() and list(la["case"].unique()) == ["default", "original"]
+    for kind, t in la.groupby("case"):
+        fwd = t[t["mode"] == "fwd"]
+        errs = fwd[fwd["metric"] == "rel_err"].set_index("provider")
+        assert (errs.loc[["triton", "torch"], "median"] < 1e-2).all(), kind
+        times = fwd[fwd["metric"] == "time"].set_index("provider")
+        assert times.loc[["fla", "fla_numerator"], "note"].str.startswith("error:").all()  # fla's kernels: not on CPU
+        assert set(t.loc[t["mode"] == "fwd+bwd", "provider"]) == {"triton", "triton_bwd64", "torch", "fla", "fla_numerator"}
+        assert set(t.loc[t["mode"] == "decode", "provider"]) == {"triton", "torch"}
     target = la[la["target"].notna()]  # the default's forward+backward, and its decode step
-    assert list(target["mode"]) == ["fwd+bwd", "decode"] and (target["kind"] == "default").all()
+    assert list(target["mode"]) == ["fwd+bwd", "decode"] and (target["case"] == "default").all()
     assert target.iloc[0]["target"].startswith("fwd+bwd <= 1.25x fla")
     assert target.iloc[0]["note"] == "target not measured: fla failed"
-    for k in (*KERNELS, "kuramoto"):  # every timing with its derived rates
-        t = pd.read_csv(tmp_path / f"timing_{k}.csv").dropna(subset=["time_s"])
-        assert len(t) and (t[["time_s", "tflops", "gbps"]] > 0).all().all(), k
     offsets = pd.read_csv(tmp_path / "correctness_offsets.csv")  # the same code paths, at small sizes
     assert offsets["passed"].all() and len(offsets) == 22, offsets.to_dict("records")
     assert offsets["kernel"].str.split("[").str[0].nunique() == 4
@@ -157,7 +165,8 @@ def test_gpu_suite_runs_the_rest_in_a_fresh_process_after_cuda_context_loss(tmp_
     tables, failures = gpu.run_stages(tmp_path, names, dry_run=True, t_start=time.time())
     assert [f["stage"] for f in failures] == ["generation"] and "illegal memory access" in failures[0]["error"]
     assert set(tables) == {"correctness_kuramoto", "timing_kuramoto", "generation"}
-    assert (tables["generation"]["tok_s"] > 0).all() and tables["timing_kuramoto"]["time_s"].notna().all()
+    clock = tables["timing_kuramoto"]
+    assert (tables["generation"]["tok_s"] > 0).all() and clock.loc[clock["metric"] == "time", "median"].notna().all()
     assert not (tmp_path / gpu.RESULT_FILE).exists()
 
 
@@ -324,10 +333,12 @@ def test_a_failing_moe_implementation_keeps_the_others_rows(monkeypatch):
         return real(name)
     monkeypatch.setattr(moe, "_impl", impl)
     rows = list(moe.gpu_rows(smoke=True))
-    loop = [r for r in rows if r["impl"] == "loop"]
-    assert loop and all(r["note"].startswith("error: OutOfMemoryError") and "time_s" not in r for r in loop)
-    tri = [r for r in rows if r["impl"] == "triton" and r["kind"] == "lowrank"]
-    assert all(r["time_s"] > 0 and r["speedup_vs_torch"] > 0 and "target_met" not in r for r in tri)
+    loop = [r for r in rows if r["provider"] == "loop"]
+    assert loop and all(r["metric"] == "time" and r["note"].startswith("error: OutOfMemoryError")
+                        and r["median"] is None for r in loop)
+    tri = [r for r in rows if r["provider"] == "triton" and r["case"] == "lowrank" and r["metric"] == "time"]
+    assert tri and all(r["median"] > 0 and r["ratio_vs_baseline"] > 0 and r["baseline"] == "torch"
+                       and r["target_met"] is None for r in tri)
     assert all(r["target"] == ">=5x vs per-expert loop" for r in tri)
 
 

@@ -54,7 +54,7 @@ def test_run_appends_each_reading_keeps_finished_runs_and_resumes_stopped_ones(t
     csv, runs, tokens = tmp_path / "compare.csv", tmp_path / "runs", 3 * STEP_TOKENS
     jobs = [("default", 1e-3, 0, tokens), ("transformer", 1e-3, 0, tokens)]
     # a stopped run: its directory holds a checkpoint at step 1 of 3
-    from fractus.training.loop import train
+    from fractus.training.command import train
     stopped = C.run_dir(runs, "transformer", 1e-3, 0, tokens)
     train(models["transformer"].argv(data, stopped, tokens, 0, 1) + ["--lr", "0.001", "--stop-after", "1"])
     log = []

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from fractus.ops import common as backend
-from fractus.ops import cross_entropy as ce_mod
+from fractus.ops.cross_entropy import kernels as ce_kernels
+from fractus.ops.cross_entropy import pytorch as ce_torch
 from fractus.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from util import LOWP, assert_lowp, assert_rel, lowp_tol
 
@@ -54,7 +55,7 @@ OPTIONS = [
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Force several token chunks (16 rows each, _chunk_rows' floor) on the chunked CPU path."""
-    monkeypatch.setattr(ce_mod, "_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(ce_torch, "CHUNK_ELEMS", 1)
 
 
 @pytest.mark.parametrize("N,V,d", [(37, 127, 48), (300, 8192, 128), (150, 50257, 48)])
@@ -90,8 +91,8 @@ def test_strided_positions_and_targets(path, subset):
 
 def test_triton_vocab_splits():
     """Few scored rows: the vocab is split across programs in forward and dH."""
-    cfg = ce_mod._config(torch.zeros(1), 300)
-    assert ce_mod._n_split(6, 300, cfg) > 1
+    cfg = ce_kernels.tile_config(torch.zeros(1), 300)
+    assert ce_kernels._n_split(6, 300, cfg) > 1
     _compare("triton", 12, 300, 48, positions="subset", z_loss=1e-3)
 
 
@@ -101,11 +102,11 @@ def test_triton_gpu_tiles(monkeypatch, dtype):
     token blocks (dW's: 128 rows in fp16 and bf16, the second ragged), the vocab split across the programs
     of an H200 (132 multiprocessors), a ragged last vocab tile, ragged d along BLOCK_K and BLOCK_D;
     fp16 or bf16 weights: dW in two slabs of 132 vocab tiles, the second partial."""
-    monkeypatch.setattr(ce_mod, "_config", lambda h, V: ce_mod.gpu_config(h.dtype))
-    cfg = ce_mod.gpu_config(dtype)
+    monkeypatch.setattr(ce_kernels, "tile_config", lambda h, V: ce_kernels.gpu_config(h.dtype))
+    cfg = ce_kernels.gpu_config(dtype)
     N, d = 150, 200
     V = 3000 if dtype == torch.float32 else cfg["slab_tiles"] * cfg["DW_BLOCK_V"] + 500
-    assert ce_mod._n_split(N, V, cfg) > 1
+    assert ce_kernels._n_split(N, V, cfg) > 1
     h, w, t = _inputs(N, V, d, dtype=dtype)
     kw = dict(z_loss=1e-3, softcap=4.0)
     out = _run(lambda *a, **k: linear_cross_entropy(*a, backend="triton", **k), h, w, t, **kw)

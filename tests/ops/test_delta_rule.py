@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fractus.ops.delta_rule import _delta_rule_chunked, delta_rule, delta_rule_reference
+from fractus.ops.delta_rule import delta_rule_chunked, delta_rule, delta_rule_reference
 from util import assert_rel
 
 OMEGAS = [1.0, 0.38]
@@ -106,7 +106,7 @@ def test_the_chunked_form_is_the_recurrence(T, C, decay_kind, with_state, with_r
         resets[1, T // 3] = resets[1, T - 1] = True
     xs = [None if x is None else x.clone().requires_grad_() for x in (q, k, v, w, beta, decay, S0)]
     ref = _grads(delta_rule_reference, xs, resets)
-    got = _grads(_delta_rule_chunked, xs, resets, C=C)
+    got = _grads(delta_rule_chunked, xs, resets, C=C)
     names = ["o", "S"] + [n for n, x in zip("q k v w beta decay S0".split(), xs) if x is not None]
     for name, a, b in zip(names, got, ref):
         assert_rel(a, b, 1e-10, name)

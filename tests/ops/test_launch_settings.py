@@ -8,7 +8,11 @@ import pytest
 import torch
 import triton
 
-from fractus.ops import cross_entropy, kuramoto, linear_attention, moe
+from fractus.ops.cross_entropy import kernels as ce_kernels
+from fractus.ops.kuramoto import kernels as kuramoto_kernels
+from fractus.ops.linear_attention import kernels as la_kernels
+from fractus.ops.linear_attention import linear_attention
+from fractus.ops.moe import kernels as moe_kernels
 from fractus.model import FractusConfig, FractusCTE
 from util import Launches
 
@@ -16,7 +20,7 @@ from util import Launches
 @pytest.mark.parametrize("over", [{}, {"expert_rank": 0}], ids=["lowrank", "dense"])
 def test_fp32_launches_ieee_dots(monkeypatch, over):
     launches = {}
-    for mod in (linear_attention, moe, cross_entropy):
+    for mod in (la_kernels, moe_kernels, ce_kernels):
         for name in [n for n in vars(mod) if n.endswith("_kernel")]:
             launches[name] = Launches(getattr(mod, name))
             monkeypatch.setattr(mod, name, launches[name])
@@ -44,19 +48,19 @@ def test_low_precision_splits_the_state_dots(monkeypatch):
     nearest (see linear_attention's note on the state dots)."""
     launches = {}
     for name in ("_la_out_kernel", "_la_bwd_states_kernel", "_la_bwd_grads_kernel"):
-        launches[name] = Launches(getattr(linear_attention, name))
-        monkeypatch.setattr(linear_attention, name, launches[name])
+        launches[name] = Launches(getattr(la_kernels, name))
+        monkeypatch.setattr(la_kernels, name, launches[name])
     x = [torch.randn(1, 20, 2, 32, dtype=torch.float16, requires_grad=True) for _ in range(3)]
     w = torch.ones(1, requires_grad=True)
-    o, _ = linear_attention.linear_attention(*x, w, (0.0,), backend="triton")
+    o, _ = linear_attention(*x, w, (0.0,), backend="triton")
     o.float().sum().backward()
     assert {name: [kw["SDROP"] for kw in r.kwargs] for name, r in launches.items()} == {
         "_la_out_kernel": [13], "_la_bwd_states_kernel": [13], "_la_bwd_grads_kernel": [13]}
-    assert linear_attention._state_split(torch.empty(0, dtype=torch.bfloat16)) == 16
+    assert la_kernels.state_split(torch.empty(0, dtype=torch.bfloat16)) == 16
 
 
 def test_autotune_keys_name_arguments():
-    tuners = {n: k for mod in (linear_attention, moe, cross_entropy, kuramoto)
+    tuners = {n: k for mod in (la_kernels, moe_kernels, ce_kernels, kuramoto_kernels)
               for n, k in vars(mod).items() if isinstance(k, triton.runtime.Autotuner)}
     assert len(tuners) >= 8
     for name, k in tuners.items():
@@ -81,11 +85,11 @@ again in the backward (it recomputes the chunk states)."""
     grids = {}
     for name in ("_la_states_kernel", "_la_out_kernel", "_la_bwd_states_kernel", "_la_bwd_grads_kernel"):
         grids[name] = _Grids()
-        monkeypatch.setattr(linear_attention, name, grids[name])
+        monkeypatch.setattr(la_kernels, name, grids[name])
     B, T, H, D = 3277, 33, 20, 4
     x = [torch.zeros(B, T, H, D, requires_grad=True) for _ in range(3)]
     w = torch.ones(2, requires_grad=True)
-    o, _ = linear_attention.linear_attention(*x, w, (0.0, 0.5), backend="triton")
+    o, _ = linear_attention(*x, w, (0.0, 0.5), backend="triton")
     o.sum().backward()
     fwd, bwd = B * H * triton.cdiv(T, 64), B * H * triton.cdiv(T, 32)
     assert {name: g.grids for name, g in grids.items()} == {

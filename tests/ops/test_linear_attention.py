@@ -8,8 +8,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fractus.ops import linear_attention as la
-from fractus.ops.linear_attention import _round_mantissa, linear_attention, linear_attention_reference
+from fractus.ops.linear_attention import kernels as la_kernels
+from fractus.ops.linear_attention import linear_attention, linear_attention_reference
+from fractus.ops.linear_attention.kernels import _round_mantissa
 from fractus.model import level_omegas
 from util import LOWP, Launches, assert_lowp, assert_rel, lowp_tol
 
@@ -269,8 +270,8 @@ def test_a_reset_starts_the_state_afresh():
 @pytest.fixture
 def decode_launches(monkeypatch):
     """Counts the decode kernel's launches."""
-    counter = Launches(la._la_decode_kernel)
-    monkeypatch.setattr(la, "_la_decode_kernel", counter)
+    counter = Launches(la_kernels._la_decode_kernel)
+    monkeypatch.setattr(la_kernels, "_la_decode_kernel", counter)
     return counter
 
 
@@ -301,8 +302,8 @@ def test_triton_decode_kernel_unnormalized(decode_launches, T, D, state):
 def test_no_grad_forward_writes_nothing_for_backward(monkeypatch):
     """Leaves that require grad under no_grad (evaluation, generation's prefill): the chunked
     forward does not write the per-level outputs a backward would read."""
-    out = Launches(la._la_out_kernel)
-    monkeypatch.setattr(la, "_la_out_kernel", out)
+    out = Launches(la_kernels._la_out_kernel)
+    monkeypatch.setattr(la_kernels, "_la_out_kernel", out)
     q, k, v, w, g, (S0, z0) = (x.float() if torch.is_tensor(x) else x for x in make(2, 40, 2, 32, True, True))
     omegas = level_omegas(w.numel())
     args = [t.requires_grad_() for t in (q, k, v, w)]

@@ -4,8 +4,9 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from fractus.ops import moe as moe_mod
-from fractus.ops.moe import _Route, moe, moe_reference
+from fractus.ops.moe import kernels as moe_kernels
+from fractus.ops.moe import moe, moe_reference
+from fractus.ops.moe.kernels import Route
 from util import LOWP, Launches, assert_lowp, assert_rel, lowp_tol, make_experts, pinned
 from util import MOE_D as D
 from util import MOE_FF as FF
@@ -155,7 +156,7 @@ def test_route_tiles_cover_each_row_once(N, E, K):
     the unused ones empty at 0 (so a tile's int32 rows stay below NK + BM, which the route bounds)."""
     BM = 16
     idx = torch.randint(0, E, (N, K))
-    rt = _Route(idx, E, BM)
+    rt = Route(idx, E, BM)
     flat = idx.reshape(-1)
     assert torch.equal(flat[rt.order], rt.sexp) and torch.equal(rt.stok, rt.order // K)
     assert rt.T == -(-N * K // BM) + E and rt.offs[-1] == N * K
@@ -185,7 +186,7 @@ def test_triton_dense_matches_reference(N, E, K, route, d, F):
     check("triton", N, E, K, lowrank=False, route=route, d=d, F=F)
 
 
-GPU_TUNED = {n: k for n, k in vars(moe_mod).items() if hasattr(k, "gpu_configs")}
+GPU_TUNED = {n: k for n, k in vars(moe_kernels).items() if hasattr(k, "gpu_configs")}
 
 
 @pytest.mark.parametrize("i", range(max(len(k.gpu_configs) for k in GPU_TUNED.values())))
@@ -194,7 +195,7 @@ def test_triton_gpu_tiles(monkeypatch, lowrank, i):
     """The GPU's routing tiles (64 rows) and the i-th of its autotune configs for every kernel (the
     other tests run the interpreter's small blocks): several ragged blocks along d and F, experts
     with two tiles, the second partial."""
-    monkeypatch.setattr(moe_mod, "_block_m", lambda: moe_mod.GPU_BLOCK_M)
+    monkeypatch.setattr(moe_kernels, "block_m", lambda: moe_kernels.GPU_BLOCK_M)
     path = [n for n in GPU_TUNED if n.startswith("_lr_" if lowrank else "_gmm")]
     assert len(path) == (4 if lowrank else 2)
     configs = {n: k.gpu_configs[i % len(k.gpu_configs)] for n, k in GPU_TUNED.items()}
@@ -208,8 +209,8 @@ def test_triton_gpu_tiles(monkeypatch, lowrank, i):
 
 def test_triton_forward_without_grad(monkeypatch):
     """Leaves that require grad under no_grad: right output, and no activations saved."""
-    fwd = Launches(moe_mod._lr_fwd_kernel)
-    monkeypatch.setattr(moe_mod, "_lr_fwd_kernel", fwd)
+    fwd = Launches(moe_kernels._lr_fwd_kernel)
+    monkeypatch.setattr(moe_kernels, "_lr_fwd_kernel", fwd)
     ex = make_experts(7)
     x, idx, w = make_inputs(13, 7, 2)
     with torch.no_grad():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fractus.checkpoint import load_checkpoint
 from fractus.model import FractusConfig, FractusCTE
-from fractus.training.loop import train
+from fractus.training.command import train
 from util import ROOT, SAME, make_corpus
 from util import rel_err
 
@@ -73,9 +73,10 @@ def metrics_rows(out, keys=None) -> list[dict]:
 
 
 def patched_trainer(path, patch: str) -> str:
-    """A script that runs the trainer's CLI after ``patch`` (code using ``T``: fractus.train) and
+    """A script that runs the trainer's CLI after ``patch`` (code using ``T``: fractus.training.loop) and
     prints "rank R exits with CODE" when the CLI exits with a code."""
-    path.write_text(f"import os, signal, sys\nimport fractus.training.loop as T\n{patch}\ntry:\n    T.main(sys.argv[1:])\n"
+    path.write_text(f"import os, signal, sys\nimport fractus.training.loop as T\nfrom fractus.training.command import main\n"
+                    f"{patch}\ntry:\n    main(sys.argv[1:])\n"
                     "except SystemExit as e:\n    print(f'rank {os.environ[\"RANK\"]} exits with {e.code}', flush=True)\n"
                     "    raise\n")
     return str(path)

@@ -83,9 +83,9 @@ def test_write_csv_appends_the_provenance_to_every_row(tmp_path):
 
 
 def test_evaluation_and_training_do_not_import_the_benchmarks():
-    """Provenance lives beside the model: ``fractus.evaluate`` and ``fractus.train`` load no
-    ``fractus.bench`` module."""
-    code = ("import sys, fractus.evaluate, fractus.train; "
+    """Provenance lives beside the model: ``fractus.evaluate`` and the trainer's command
+    (``fractus.training.command``, all that ``fractus.train`` imports) load no ``fractus.bench`` module."""
+    code = ("import sys, fractus.evaluate, fractus.training.command; "
             "print(sorted(m for m in sys.modules if m.startswith('fractus.bench')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -3,13 +3,13 @@ tokens and FLOPs from the start, exact resume after a kill in any stage, refusal
 import csv
 import json
 import signal
+import subprocess
 
 import pytest
 
+from fractus.training.command import main, train
 from fractus.training.schedule import GROWN_WARMUP, Stage, parse_schedule
-from fractus.training.loop import main, train
-from test_train import popen, wait_for_rows
-from util import make_corpus
+from util import make_corpus, popen, wait_for_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SCHEDULE = "tiny:320,tiny:640:lr=0.001"  # 10 then 20 steps of 32 tokens
@@ -42,9 +42,13 @@ def reference(data, tmp_path_factory):
 def test_parse_schedule():
     assert parse_schedule("palier0:3M,palier1:1.5G:lr=1e-3:warmup=5") == [
         Stage("palier0", 3_000_000), Stage("palier1", 1_500_000_000, 1e-3, 5)]
-    for bad in ("palier0", "palier0:x", "palier0:3M:lr=a", "palier0:3M:beta=1", ":3M", "palier0:0"):
+    for bad in ("palier0", "palier0:x", "palier0:3M:lr=a", "palier0:3M:beta=1", ":3M", "palier0:0", "",
+                "palier0:3M:lr=nan", "palier0:3M:lr=inf", "palier0:3M:lr=1e39", "palier0:3M:lr=-1",
+                "palier0:3M:warmup=-1", "palier0:3M:lr=1e-3:lr=2e-3"):
         with pytest.raises(ValueError, match="--schedule"):
             parse_schedule(bad)
+    with pytest.raises(ValueError, match="gives lr twice"):
+        parse_schedule("palier0:3M:lr=1e-3:lr=2e-3")
 
 
 def test_one_record_across_stages(reference):
@@ -74,6 +78,23 @@ def test_kill9_in_any_stage_then_resume_equals_uninterrupted(data, reference, tm
     assert record(out) == reference[1]
 
 
+def test_ctrl_c_stops_a_schedule_with_exit_code_130(data, tmp_path):
+    """``python -m fractus.train --schedule …`` and Ctrl-C: the stage saves, and the command exits
+    with 130 without a traceback, as a single run does (one Interrupted class, whichever module
+    runs as __main__)."""
+    out = tmp_path / "run"
+    proc = popen(argv(data, out))
+    try:
+        wait_for_rows(proc, out / "0-tiny", 3)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert "checkpoint saved" in stdout and (out / "0-tiny" / "ckpt.pt").exists()
+
+
 def test_refusals(data, reference, tmp_path, capsys):
     out, _ = reference
 
@@ -86,3 +107,42 @@ def test_refusals(data, reference, tmp_path, capsys):
     refused(argv(data, out, "--resume", schedule="tiny:320,tiny:960"), "--resume with another schedule")
     refused(argv(data, tmp_path / "a", schedule="palier1:320,palier0:320"), "cannot grow into stage 1")
     refused(argv(data, tmp_path / "b", "--model", "transformer"), "growth is not defined for --model transformer")
+
+
+def test_bad_stage_options_are_refused_before_anything_is_written(data, tmp_path, capsys):
+    for schedule in ("tiny:320:lr=nan", "tiny:320:lr=1e39", "", "tiny:320:lr=1e-3:lr=2e-3"):
+        with pytest.raises(SystemExit) as e:
+            main(argv(data, tmp_path / "out", schedule=schedule))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: --schedule") and err.count("\n") == 1, err
+        assert not (tmp_path / "out" / "schedule.json").exists()
+
+
+def test_a_stage_killed_before_its_first_checkpoint_starts_again(data, reference, tmp_path):
+    """A stage stopped before it saved (kill -9, a full disk) leaves its metrics.csv and no
+    checkpoint — made here from the finished run: --resume starts that stage afresh instead of
+    refusing it for ever, and the schedule ends as the uninterrupted one."""
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    (out / "1-tiny" / "ckpt.pt").unlink()
+    with open(out / "1-tiny" / "metrics.csv") as f:
+        head = f.readlines()[:4]
+    (out / "1-tiny" / "metrics.csv").write_text("".join(head))
+    train(argv(data, out, "--resume"))
+    assert record(out) == reference[1]
+
+
+def test_a_damaged_record_is_named_or_remade(data, reference, tmp_path, capsys):
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    (out / "metrics.csv").write_text("garbled,,\n1,2\n")  # the record is remade from the stages' own
+    main(argv(data, out, "--resume"))
+    assert record(out) == reference[1]
+    for damage in ("{}", "[]", "not json", '{"schedule": 3}'):
+        (out / "schedule.json").write_text(damage)
+        with pytest.raises(SystemExit) as e:
+            main(argv(data, out, "--resume"))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{out / 'schedule.json'} is damaged" in err, err

@@ -3,7 +3,8 @@ recurrence, and the default's is the default model's."""
 import pytest
 import torch
 
-from fractus.model import FractusConfig, LinearAttention
+from fractus.layers import LinearAttention
+from fractus.model import FractusConfig
 from fractus.verify import cases
 from fractus.verify.checks import rel_err
 

@@ -12,11 +12,12 @@ import triton.language as tl
 from triton.runtime.errors import InterpreterError
 
 from fractus.ops import common as backend
-from fractus.ops import cross_entropy as ce_mod
+from fractus.ops.cross_entropy import kernels as ce_kernels
 from fractus.ops.cross_entropy import linear_cross_entropy
 from fractus.ops.kuramoto import kuramoto_phase
 from fractus.ops.linear_attention import linear_attention
-from fractus.ops.moe import _block_m, _Route, moe
+from fractus.ops.moe import moe
+from fractus.ops.moe.kernels import Route, block_m
 from fractus.verify import interpret
 from util import make_experts
 
@@ -198,7 +199,7 @@ def test_cross_entropy_vocabulary(monkeypatch):
     """The tied embedding W [V, d] and dW past 2³¹ elements (a vocabulary of 33.5 M rows): forward,
     dH and dW, on the GPU's fp32 tiles split 8,192 ways across the vocabulary (with the interpreter's
     2 splits, or an H200's 264, a program walks 260,000 or 2,000 vocab tiles)."""
-    monkeypatch.setattr(ce_mod, "_config", lambda h, V: ce_mod.gpu_config(h.dtype, sms=4096))
+    monkeypatch.setattr(ce_kernels, "tile_config", lambda h, V: ce_kernels.gpu_config(h.dtype, sms=4096))
     N, d = 40, 64
     V = PAST // d + 1
     h, w = torch.randn(N, d, requires_grad=True), big(V, d, dtype=torch.float32, grad=True)
@@ -213,11 +214,11 @@ def _routes(rows: int, E: int):
     tile) on expert 0, then one token on each other expert. The routing tiles end in two empty
     ones, so the last three tiles hold the last tokens; the last three experts hold one each (the
     first expert's programs, which walk every row, do not run)."""
-    BM = _block_m()
+    BM = block_m()
     assert rows % BM == 0 and E - 1 <= BM
     idx = torch.zeros(rows + E - 1, 1, dtype=torch.int64)
     idx[rows:, 0] = torch.arange(1, E)
-    route = _Route(idx, E, BM)
+    route = Route(idx, E, BM)
     used = int((route.tile_hi > route.tile_lo).nonzero().max())
     assert used == route.T - 3 and route.tile_e[used] == E - 1
     return idx, 3
@@ -267,4 +268,4 @@ def test_moe_refuses_routing_past_int32():
     """The routing's row offsets and tiles are int32: 2³¹ (token, slot) pairs are refused from the
     shape (the ids, 16 GiB of address space, are never read)."""
     with pytest.raises(ValueError, match="int32"):
-        _Route(big(2 ** 30, 2, dtype=torch.int64), 8, _block_m())
+        Route(big(2 ** 30, 2, dtype=torch.int64), 8, block_m())

@@ -17,7 +17,9 @@ it through its per-head RMSNorm (``attn_norm="rms"``).
 
 Returns o [B, T, H, D] in q's dtype and S after the last position, fp32 (fp64 for fp64 inputs).
 Two paths: :func:`delta_rule_reference`, one position at a time, and the chunked form the model
-runs on every device (:func:`_delta_rule_chunked`; no Triton kernel: a lever, not a default).
+runs on every device (:func:`delta_rule_chunked`; no Triton kernel: a lever, not a default). With
+no kernels and two short paths, the op is this one module rather than the reference / PyTorch /
+kernels modules of the others.
 """
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from fractus.ops import common as _backend
-from fractus.ops.linear_attention import _level_decays
+from fractus.ops.common import level_decays
 
-__all__ = ["delta_rule", "delta_rule_reference"]
+__all__ = ["delta_rule", "delta_rule_chunked", "delta_rule_reference"]
 
 _CHUNK = 64
 
@@ -53,7 +55,7 @@ def delta_rule_reference(q, k, v, level_weights, omegas, beta, decay=None, state
     Lv = len(omegas)
     dt = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf, bf = q.to(dt), k.to(dt), v.to(dt), beta.to(dt)
-    gam = _level_decays(decay, B, T, Lv, H, dt, q.device)  # [B or 1, T or 1, Lv, H], as the linear attention's
+    gam = level_decays(decay, B, T, Lv, H, dt, q.device)  # [B or 1, T or 1, Lv, H], as the linear attention's
     S = torch.zeros(B, Lv, H, D, D, dtype=dt, device=q.device) if state is None else state.to(dt)
     outs = []
     for t in range(T):
@@ -68,7 +70,7 @@ def delta_rule_reference(q, k, v, level_weights, omegas, beta, decay=None, state
     return torch.stack(outs, 1).to(q.dtype), S
 
 
-def _delta_rule_chunked(q, k, v, level_weights, omegas, beta, decay=None, state=None, resets=None, C=_CHUNK):
+def delta_rule_chunked(q, k, v, level_weights, omegas, beta, decay=None, state=None, resets=None, C=_CHUNK):
     """The same recurrence in chunks of C positions, with plain autograd (the WY form of DeltaNet).
 
     Within a chunk, with b_t = Σ_{j ≤ t} log γ_j and u_t = β_t (v_t − (γ_t S_{t−1})ᵀ k̂_t) the value a
@@ -94,7 +96,7 @@ def _delta_rule_chunked(q, k, v, level_weights, omegas, beta, decay=None, state=
     fk = _unit_features(chunked(k.to(dt)), omegas)
     vc = chunked(v.to(dt))[:, None]
     bt = chunked(beta.to(dt)).permute(0, 3, 1, 2, 4)  # [B, Lv, n, C, H]
-    gam = _level_decays(decay, B, T, Lv, H, dt, q.device)
+    gam = level_decays(decay, B, T, Lv, H, dt, q.device)
     lg = torch.log(gam).expand(B, T, Lv, H)
     lg = chunked(lg).permute(0, 3, 1, 2, 4)  # padded positions: γ = 1
     # to [B, Lv, H, n, C, ·]: one (level, head) per leading index
@@ -141,4 +143,4 @@ def delta_rule(q, k, v, level_weights, omegas, beta, decay=None, state=None, res
     [B, Lv, H, D, D]); differentiable in q, k, v, level_weights, beta, decay and state."""
     if _backend.pick(backend, q) == "reference":
         return delta_rule_reference(q, k, v, level_weights, omegas, beta, decay, state, resets)
-    return _delta_rule_chunked(q, k, v, level_weights, omegas, beta, decay, state, resets)
+    return delta_rule_chunked(q, k, v, level_weights, omegas, beta, decay, state, resets)

@@ -1,4 +1,4 @@
-"""The interpreter as :mod:`fractus.verify.interpret` makes it (installed by conftest): tf32 dots read
+"""The interpreter as :mod:`fractus.ops.interpreter` makes it (installed by conftest): tf32 dots read
 fp32 operands as a GPU's tensor cores do (10 mantissa bits, the low 13 truncated), IEEE dots and
 half-precision operands stay exact; bf16 is rounded to nearest-even as a GPU's conversions do and
 computed on by value (the plain interpreter computes on its bits and truncates)."""
@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from fractus.ops import common as backend
-from fractus.verify import interpret
+from fractus.ops import interpreter
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def test_bf16_comparisons_fma_and_fp8():
 def test_bf16_bits():
     """The conversions the patch uses: nearest-even at ties, NaN kept, infinities and zeros kept."""
     x = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.5, np.inf, -np.inf, 0.0, np.nan, 3e38], np.float32)
-    values = interpret.bf16_values(interpret.bf16_bits(x))
+    values = interpreter.bf16_values(interpreter.bf16_bits(x))
     assert np.array_equal(values, torch.from_numpy(x).bfloat16().float().numpy(), equal_nan=True)
     assert np.array_equal(values[:7], [1.0, 1.0, 1 + 2 ** -6, -2.5, np.inf, -np.inf, 0.0]) and np.isnan(values[7])
 
@@ -119,6 +119,6 @@ def test_bf16_bits():
 def test_triton_on_cpu_installs_the_emulation(monkeypatch):
     """Any Triton op on CPU tensors gets it, not only the tests (conftest installed it already)."""
     calls = []
-    monkeypatch.setattr(interpret, "install", lambda: calls.append(1))
+    monkeypatch.setattr(interpreter, "install", lambda: calls.append(1))
     assert backend.pick("triton", torch.zeros(1)) == "triton" and calls == [1]
     assert backend.pick("torch", torch.zeros(1)) == "torch" and calls == [1]
