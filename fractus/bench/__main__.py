@@ -108,10 +108,10 @@ def main(argv=None) -> None:
     g = sub.add_parser("gpu", help="the GPU suite → OUT/*.csv")
     g.add_argument("--out", default="results/gpu")
     g.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, Triton interpreter")
-    g.add_argument("--budget-s", type=float, default=None,
-                   help="start no stage after this many seconds (skipped stages go to failures.csv)")
-    # how the suite runs its remaining stages in a fresh process after CUDA's context is lost
-    g.add_argument("--resume-stages", nargs="+", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--time-limit-s", type=float, default=None,
+                   help="start no part after this many seconds (skipped parts go to failures.csv)")
+    # how the suite runs its remaining parts in a fresh process after CUDA's context is lost
+    g.add_argument("--resume-parts", nargs="+", default=None, help=argparse.SUPPRESS)
     g.add_argument("--started-at", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     keep_freed_memory()
@@ -142,13 +142,13 @@ def run(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     else:
         if a.dry_run:  # the kernels run in Triton's interpreter; set before triton is imported
             os.environ["TRITON_INTERPRET"] = "1"
-        from fractus.bench.gpu import resume_stages, run_suite
-        if a.resume_stages:
+        from fractus.bench.gpu import resume_parts, run_suite
+        if a.resume_parts:
             if a.started_at is None:
-                ap.error("--resume-stages needs --started-at")
-            resume_stages(Path(a.out), a.resume_stages, a.dry_run, a.started_at, a.budget_s)
+                ap.error("--resume-parts needs --started-at")
+            resume_parts(Path(a.out), a.resume_parts, a.dry_run, a.started_at, a.time_limit_s)
         else:
-            run_suite(Path(a.out), dry_run=a.dry_run, budget_s=a.budget_s)
+            run_suite(Path(a.out), dry_run=a.dry_run, time_limit_s=a.time_limit_s)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The GPU suite: ``python -m fractus.bench gpu --out results/gpu`` (one command; ``--budget-s`` bounds its time).
+"""The GPU suite: ``python -m fractus.bench gpu --out results/gpu`` (one command; ``--time-limit-s`` bounds its time).
 
 1. provenance and the device's ceilings (device-to-device copy GB/s, large bf16 matmul TFLOP/s);
    then every kernel compiled in parallel processes into Triton's cache (:func:`aot.precompile`);
@@ -15,9 +15,9 @@
    targets: met, missed or not measured) and a summary printed last (a pass/fail table per kernel
    and dtype, the training sweep, generation, the targets).
 
-A failing stage is recorded in ``failures.csv`` and the suite goes on (after one that leaves
-CUDA's context unusable, e.g. an illegal memory access, in a fresh process); with ``--budget-s`` a
-stage that would start after the budget is spent is recorded as skipped, so the summary and the
+A failing part is recorded in ``failures.csv`` and the suite goes on (after one that leaves
+CUDA's context unusable, e.g. an illegal memory access, in a fresh process); with ``--time-limit-s`` a
+part that would start after the time limit is spent is recorded as skipped, so the summary and the
 CSVs are written before an outer time limit kills the run. ``--dry-run`` runs the same code paths
 on CPU at tiny sizes (kernels through Triton's interpreter, which computes bf16 and tf32 there as
 a GPU does: :mod:`fractus.ops.interpreter`); CI runs it.
@@ -98,7 +98,7 @@ def ceilings(device: torch.device, dry_run: bool) -> dict:
 
 
 def model_runs() -> list[tuple[str, dict]]:
-    """What the suite's model stages launch, as (preset, :func:`aot._run_model`'s keywords), for
+    """What the suite's model parts launch, as (preset, :func:`aot._run_model`'s keywords), for
     :func:`precompile_rows`. The training sweep: palier0, palier2 and a one-layer 1b stand for
     every preset (their kernels take the same specialisations), B=8 and B=16 for every batch
     (Triton specialises integers on divisibility by 16), two steps (the second with the carried
@@ -118,7 +118,7 @@ def model_runs() -> list[tuple[str, dict]]:
 def precompile_rows(dry_run: bool) -> list[dict]:
     """Every kernel the suite launches (the ops', :func:`model_runs`', the timings' and fla's when
     installed, every autotune config) compiled in parallel processes into
-    Triton's cache first, so that later stages and autotuning load binaries instead of compiling
+    Triton's cache first, so that later parts and autotuning load binaries instead of compiling
     one at a time. Dry run: two workers compile the clock's kernels offline for sm_90 (no time
     limit that a loaded CI machine could reach)."""
     if dry_run:
@@ -169,7 +169,7 @@ def train_rows(device: torch.device, dry_run: bool, peaks: dict) -> Iterator[dic
                 break
             except Exception as e:  # recorded: the sweep's other configurations (the 1b target last) still run
                 yield {**failed, "error": f"{type(e).__name__}: {e}"[:300]}
-                if cuda_context_lost(device):  # every later one would fail too: the stage ends here
+                if cuda_context_lost(device):  # every later one would fail too: the part ends here
                     return
             else:
                 yield r
@@ -206,7 +206,7 @@ def _clock_run(fn, args, dy):
 def kuramoto_bench(device: torch.device, args, dy) -> harness.Bench:
     """The clock's forward+backward in fp32 on ``args`` (:func:`fractus.verify.cases.kuramoto_case`):
     Triton, the fused PyTorch path and plain autograd (the baseline), with TFLOP/s (two N×N
-    coupling products per RK4 stage, the backward 2× the forward) and GB/s (θ⁰ read and dθ⁰
+    coupling products per RK4 part, the backward 2× the forward) and GB/s (θ⁰ read and dθ⁰
     written, ψ written and dψ read)."""
     (M, N), steps = args[0].shape, CLOCK[1]
     return harness.Bench(
@@ -292,8 +292,8 @@ def baseline_versions() -> dict:
     return out
 
 
-def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Callable[[], Iterable[dict]]]:
-    """The suite's stages in the order they run: name → a function returning its rows, or yielding
+def _part_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Callable[[], Iterable[dict]]]:
+    """The suite's parts in the order they run: name → a function returning its rows, or yielding
     them one by one as they are measured (those measured before a failure or a stop are kept)."""
     ceil: dict = {}
 
@@ -335,45 +335,45 @@ def _stage_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Call
     return fns
 
 
-def run_stages(out: Path, names: list[str], dry_run: bool, t_start: float,
-               budget_s: float | None = None,
-               after_stage: Callable[[dict, list], None] | None = None) -> tuple[dict[str, pd.DataFrame], list[dict]]:
-    """Run the stages ``names`` in order, writing each one's ``out/NAME.csv``; none starts after
-    ``budget_s`` seconds from ``t_start`` (a ``time.time()``). A failing stage is recorded and the
-    next one runs; after a failure that lost CUDA's context the remaining stages run in a fresh
-    process. ``after_stage(tables, failures)`` is called after each stage that ran. Returns the
+def run_parts(out: Path, names: list[str], dry_run: bool, t_start: float,
+               time_limit_s: float | None = None,
+               after_part: Callable[[dict, list], None] | None = None) -> tuple[dict[str, pd.DataFrame], list[dict]]:
+    """Run the parts ``names`` in order, writing each one's ``out/NAME.csv``; none starts after
+    ``time_limit_s`` seconds from ``t_start`` (a ``time.time()``). A failing part is recorded and the
+    next one runs; after a failure that lost CUDA's context the remaining parts run in a fresh
+    process. ``after_part(tables, failures)`` is called after each part that ran. Returns the
     tables and the failures."""
     device = torch.device("cpu" if dry_run else "cuda")
-    fns = _stage_fns(out, device, dry_run)
+    fns = _part_fns(out, device, dry_run)
     tables, failures = {}, []
     for i, name in enumerate(names):
         t0, n_failures = time.time(), len(failures)
-        if budget_s is not None and t0 - t_start > budget_s:
-            failures.append({"stage": name, "error": f"skipped: the time budget of {budget_s:.0f} s was spent",
+        if time_limit_s is not None and t0 - t_start > time_limit_s:
+            failures.append({"part": name, "error": f"skipped: the time limit of {time_limit_s:.0f} s was spent",
                              "trace": ""})
-            print(f"[{t0 - t_start:6.1f}s] {name}: skipped (time budget)")
+            print(f"[{t0 - t_start:6.1f}s] {name}: skipped (time limit)")
             continue
-        fresh = None  # set once the stage (and, when True, the rest in a fresh process) has run
+        fresh = None  # set once the part (and, when True, the rest in a fresh process) has run
         try:
-            fresh = _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s, tables, failures)
-            if after_stage is not None:
-                after_stage(tables, failures)
+            fresh = _run_part(name, i, names, fns, out, device, dry_run, t_start, t0, time_limit_s, tables, failures)
+            if after_part is not None:
+                after_part(tables, failures)
             if fresh:
                 break
-        except Stopped as e:  # SIGTERM (an outer time limit): this stage (unless it failed or had
+        except Stopped as e:  # SIGTERM (an outer time limit): this part (unless it failed or had
             if fresh:  # ended) and the rest are listed; a fresh process ran the rest already
                 break
             rest = names[i + 1:] if fresh is not None or len(failures) > n_failures else names[i:]
-            failures += [{"stage": n, "error": f"stopped: {e}", "trace": ""} for n in rest]
-            print(f"[{time.time() - t_start:6.1f}s] {name}: stopped ({e}); no further stage runs")
+            failures += [{"part": n, "error": f"stopped: {e}", "trace": ""} for n in rest]
+            print(f"[{time.time() - t_start:6.1f}s] {name}: stopped ({e}); no further part runs")
             break
     return tables, failures
 
 
-def _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s, tables, failures) -> bool:
-    """One stage of :func:`run_stages` (its rows into ``tables``, a failure into ``failures``);
-    True when the remaining stages ran in a fresh process. The stage's CSV is rewritten after every
-    row it yields, so a process that dies inside the stage leaves the rows measured before."""
+def _run_part(name, i, names, fns, out, device, dry_run, t_start, t0, time_limit_s, tables, failures) -> bool:
+    """One part of :func:`run_parts` (its rows into ``tables``, a failure into ``failures``);
+    True when the remaining parts ran in a fresh process. The part's CSV is rewritten after every
+    row it yields, so a process that dies inside the part leaves the rows measured before."""
     rows: list[dict] = []
 
     def keep() -> None:  # the rows measured so far, whatever comes next
@@ -384,7 +384,7 @@ def _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s,
         for row in fns[name]():
             rows.append(row)
             keep()
-        if device.type == "cuda":  # errors of its last kernels surface here, in their stage
+        if device.type == "cuda":  # errors of its last kernels surface here, in their part
             torch.cuda.synchronize(device)
         print(f"[{time.time() - t_start:6.1f}s] {name}: {len(rows)} rows ({time.time() - t0:.1f}s)")
         if device.type == "cuda":  # its cached blocks back to the device: a fresh process may need them
@@ -392,27 +392,27 @@ def _run_stage(name, i, names, fns, out, device, dry_run, t_start, t0, budget_s,
     except Stopped:  # the signal may have come between a row and its writing
         keep()
         raise
-    except Exception as e:  # a failing stage is recorded and the suite goes on
-        failures.append({"stage": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)})
+    except Exception as e:  # a failing part is recorded and the suite goes on
+        failures.append({"part": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)})
         print(f"[{time.time() - t_start:6.1f}s] {name}: FAILED {type(e).__name__}: {e}")
         if i + 1 < len(names) and cuda_context_lost(device):
-            print("CUDA's context is lost: the remaining stages run in a fresh process")
-            more, more_failures = _run_in_fresh_process(out, names[i + 1:], dry_run, t_start, budget_s)
+            print("CUDA's context is lost: the remaining parts run in a fresh process")
+            more, more_failures = _run_in_fresh_process(out, names[i + 1:], dry_run, t_start, time_limit_s)
             tables.update(more)
             failures += more_failures
             return True
     return False
 
 
-RESULT_FILE = ".stages.json"  # what a fresh process of run_stages hands back
-LAST_STAGE_S = 45  # what a stage started just before the budget ran out may take (docs/benchmarks.md's
-# command stops the suite 80 s after its --budget-s; the process starts up to ~20 s before t_start)
+RESULT_FILE = ".parts.json"  # what a fresh process of run_parts hands back
+LAST_PART_S = 45  # what a part started just before the time limit ran out may take (docs/benchmarks.md's
+# command stops the suite 80 s after its --time-limit-s; the process starts up to ~20 s before t_start)
 STOP_GRACE_S = 10  # a fresh process told to stop (SIGTERM) has this long to hand back its results
 
 
 class Stopped(BaseException):
-    """SIGTERM received (``timeout``'s signal): the running stage stops, the results so far are
-    written. A BaseException, so that the stages' own ``except Exception`` do not swallow it."""
+    """SIGTERM received (``timeout``'s signal): the running part stops, the results so far are
+    written. A BaseException, so that the parts' own ``except Exception`` do not swallow it."""
 
 
 @contextmanager
@@ -431,15 +431,15 @@ def stop_on_sigterm():
 
 
 def _run_in_fresh_process(out: Path, names: list[str], dry_run: bool, t_start: float,
-                          budget_s: float | None) -> tuple[dict[str, pd.DataFrame], list[dict]]:
+                          time_limit_s: float | None) -> tuple[dict[str, pd.DataFrame], list[dict]]:
     result = out / RESULT_FILE
     result.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "fractus.bench", "gpu", "--out", str(out), "--started-at", repr(t_start),
-           "--resume-stages", *names] + (["--dry-run"] if dry_run else [])
+           "--resume-parts", *names] + (["--dry-run"] if dry_run else [])
     launched, timeout = time.time(), None
-    if budget_s is not None:  # it must end before an outer limit stops this process and leaves it running
-        cmd += ["--budget-s", repr(budget_s)]
-        timeout = max(t_start + budget_s + LAST_STAGE_S - time.time(), 1.0)
+    if time_limit_s is not None:  # it must end before an outer limit stops this process and leaves it running
+        cmd += ["--time-limit-s", repr(time_limit_s)]
+        timeout = max(t_start + time_limit_s + LAST_PART_S - time.time(), 1.0)
     proc = subprocess.Popen(cmd)
     try:
         ended = f"exited with code {proc.wait(timeout=timeout)}"
@@ -450,39 +450,39 @@ def _run_in_fresh_process(out: Path, names: list[str], dry_run: bool, t_start: f
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        ended = (f"was stopped after {timeout:.0f} s (the time budget)" if isinstance(e, subprocess.TimeoutExpired)
+        ended = (f"was stopped after {timeout:.0f} s (the time limit)" if isinstance(e, subprocess.TimeoutExpired)
                  else f"was stopped ({e})")
     try:  # written whole or not at all (atomic_open), but a killed child may leave none
         done = json.loads(result.read_text())
         result.unlink()
-        return {n: pd.read_csv(out / f"{n}.csv") for n in done["stages"]}, done["failures"]
+        return {n: pd.read_csv(out / f"{n}.csv") for n in done["parts"]}, done["failures"]
     except (OSError, ValueError):
         pass
     written = [n for n in names if (out / f"{n}.csv").exists() and (out / f"{n}.csv").stat().st_mtime >= launched]
     return ({n: pd.read_csv(out / f"{n}.csv") for n in written},
-            [{"stage": n, "error": f"no result: the fresh process for the stages from {names[0]} {ended}",
+            [{"part": n, "error": f"no result: the fresh process for the parts from {names[0]} {ended}",
               "trace": ""} for n in names if n not in written])
 
 
-def resume_stages(out: Path, names: list[str], dry_run: bool, t_start: float, budget_s: float | None) -> None:
-    """The fresh process's side of :func:`run_stages`: run ``names``, hand back what they gave."""
+def resume_parts(out: Path, names: list[str], dry_run: bool, t_start: float, time_limit_s: float | None) -> None:
+    """The fresh process's side of :func:`run_parts`: run ``names``, hand back what they gave."""
     with stop_on_sigterm():
-        tables, failures = run_stages(out, names, dry_run, t_start, budget_s)
+        tables, failures = run_parts(out, names, dry_run, t_start, time_limit_s)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what ran is handed back, whatever comes now
         with atomic_open(out / RESULT_FILE) as f:
-            f.write(json.dumps({"stages": list(tables), "failures": failures}))
+            f.write(json.dumps({"parts": list(tables), "failures": failures}))
 
 
-def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -> dict[str, pd.DataFrame]:
-    """Run every stage (none that would start after ``budget_s`` seconds); write ``out/*.csv``;
+def run_suite(out: Path, dry_run: bool = False, time_limit_s: float | None = None) -> dict[str, pd.DataFrame]:
+    """Run every part (none that would start after ``time_limit_s`` seconds); write ``out/*.csv``;
     return the tables."""
     device = torch.device("cpu" if dry_run else "cuda")
     if not dry_run and not torch.cuda.is_available():
         raise CommandError("the GPU suite needs a CUDA device (this torch sees none); --dry-run runs its code "
                            "paths on the CPU")
     out.mkdir(parents=True, exist_ok=True)
-    for name in _stage_fns(out, device, dry_run):  # an earlier run's tables: the notebooks must not
-        (out / f"{name}.csv").unlink(missing_ok=True)  # read them beside this run's (a stage skipped)
+    for name in _part_fns(out, device, dry_run):  # an earlier run's tables: the notebooks must not
+        (out / f"{name}.csv").unlink(missing_ok=True)  # read them beside this run's (a part skipped)
     t_start = time.time()
     prov = provenance(device)
     if device.type == "cuda":
@@ -491,7 +491,7 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
     (out / "provenance.json").write_text(json.dumps(prov, indent=1))
     print("provenance:", prov)
     def write_outcome(tables: dict, failures: list) -> None:
-        """targets.csv and failures.csv as they stand (after every stage: a process killed in a
+        """targets.csv and failures.csv as they stand (after every part: a process killed in a
         stuck CUDA call still leaves them)."""
         write_csv(out / "targets.csv", target_rows(tables), device)
         if failures:
@@ -501,8 +501,8 @@ def run_suite(out: Path, dry_run: bool = False, budget_s: float | None = None) -
 
     write_outcome({}, [])  # none measured yet; a stale failures.csv of an earlier run goes
     with stop_on_sigterm():
-        tables, failures = run_stages(out, list(_stage_fns(out, device, dry_run)), dry_run, t_start, budget_s,
-                                      after_stage=write_outcome)
+        tables, failures = run_parts(out, list(_part_fns(out, device, dry_run)), dry_run, t_start, time_limit_s,
+                                      after_part=write_outcome)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the final files are written, whatever comes now
         write_outcome(tables, failures)
         tables["targets"] = pd.DataFrame(target_rows(tables))
@@ -518,7 +518,7 @@ def target_rows(tables: dict[str, pd.DataFrame]) -> list[dict]:
     c = pd.concat(checks, ignore_index=True) if checks else pd.DataFrame({"passed": []})
     complete = len(checks) == len(KERNELS) + 1
     rows = [{"target": "every kernel correct (fp32 and bf16 vs the fp32 truth)",
-             "case": f"{int(c['passed'].sum())}/{len(c)} checks in {len(checks)}/{len(KERNELS) + 1} stages",
+             "case": f"{int(c['passed'].sum())}/{len(c)} checks in {len(checks)}/{len(KERNELS) + 1} parts",
              "met": bool(c["passed"].all()) and complete if checks else None}]
     t = tables.get("correctness_offsets")
     rows.append({"target": "every kernel correct at offsets past 2^31 elements (the last rows vs the reference)",
@@ -587,4 +587,4 @@ def print_summary(tables: dict[str, pd.DataFrame], seconds: float) -> None:
     if "targets" in tables:
         print(tables["targets"].astype(object).fillna("").to_string(index=False, max_colwidth=60))
     f = tables.get("failures")
-    print("failed stages: " + (", ".join(f["stage"]) if f is not None and len(f) else "none"))
+    print("failed parts: " + (", ".join(f["part"]) if f is not None and len(f) else "none"))

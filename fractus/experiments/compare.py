@@ -6,7 +6,7 @@ windows of 256 positions, the trainer's default; scored with the state carried t
 contiguous streams), the original architecture (``original-palier0``, 32 contiguous streams of 64
 positions, the state carried) and the Transformer++ (:mod:`fractus.baseline`; 8 shuffled windows
 of 256, scored with sliding windows of 256 every 128, and also as the CTE's chunks without
-context). Five stages, each over the three models or the ones named (any of :data:`VARIANTS` too):
+context). Five phases, each over the three models or the ones named (any of :data:`VARIANTS` too):
 
 - ``sweep``: each model at each of its rates (:data:`LRS`, spaced ×2; a variant at :data:`RATES`), one seed;
 - ``seeds``: each model at its best rate of the sweep from :data:`SEEDS`;
@@ -88,7 +88,7 @@ DEMO_TOKENS = 3_000_000  # make demo's budget
 BUDGET_TOKENS = 27_000_000  # about 20 tokens per parameter at palier0 (1.35–1.44 M parameters)
 SEEDS = (0, 1, 2)
 COLUMNS = ("model", "preset", "params", "tokens", "lr", "seed", "eval", "val_ce", "val_bpb", "val_ppl", "wall_s",
-           "tok_s", "threads", "stage")
+           "tok_s", "threads", "phase")
 
 
 def run_dir(runs: Path, model: str, lr: float, seed: int, tokens: int) -> Path:
@@ -96,7 +96,7 @@ def run_dir(runs: Path, model: str, lr: float, seed: int, tokens: int) -> Path:
 
 
 def train_one(model: str, v: Variant, lr: float, seed: int, tokens: int, data, runs: Path, threads: int,
-              stage: str) -> list[dict]:
+              phase: str) -> list[dict]:
     """Train ``model`` (``v``) at peak rate ``lr`` from ``seed`` for ``tokens`` tokens in its run
     directory (resuming a stopped run there); its rows, one per evaluation reading."""
     from fractus.training.registry import load_model  # in the worker process
@@ -113,7 +113,7 @@ def train_one(model: str, v: Variant, lr: float, seed: int, tokens: int, data, r
     end = read_metrics(out / "metrics.csv")[-1]  # the run's last step, however many sessions it took
     tokens, elapsed = int(end["tokens"]), float(end["elapsed_s"])
     base = {"model": model, "preset": v.preset, "params": params, "tokens": tokens, "lr": lr, "seed": seed}
-    timing = {"wall_s": wall, "tok_s": tokens / elapsed, "threads": threads, "stage": stage}
+    timing = {"wall_s": wall, "tok_s": tokens / elapsed, "threads": threads, "phase": phase}
     readings = {headline_reading(model): ""} | ({"chunks": "_chunks"} if v.model == "transformer" else {})
     return [{**base, "eval": name, "val_ce": last[f"val_ce{sfx}"], "val_bpb": last[f"val_bpb{sfx}"],
              "val_ppl": last[f"val_ppl{sfx}"], **timing} for name, sfx in readings.items()]
@@ -131,7 +131,7 @@ def done_runs(csv: Path) -> set:
     return {_key(r.model, r.lr, r.seed, r.tokens) for r in d.itertuples()}
 
 
-def run(jobs: list[tuple], data, csv: Path, runs: Path, stage: str, workers: int = 2, threads: int = 1,
+def run(jobs: list[tuple], data, csv: Path, runs: Path, phase: str, workers: int = 2, threads: int = 1,
         log=print, models: dict | None = None) -> pd.DataFrame:
     """Train each (model, lr, seed, tokens) of ``jobs`` not yet in ``csv``, ``workers`` at a time of
     ``threads`` threads (``models``: name → :class:`Variant`, default :data:`MODELS`); each run's rows
@@ -142,7 +142,7 @@ def run(jobs: list[tuple], data, csv: Path, runs: Path, stage: str, workers: int
     if len(todo) < len(jobs):
         log(f"{len(jobs) - len(todo)} of {len(jobs)} runs kept from {csv}")
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(train_one, m, models[m], lr, seed, tokens, data, runs, threads, stage)
+        futures = [pool.submit(train_one, m, models[m], lr, seed, tokens, data, runs, threads, phase)
                    for m, lr, seed, tokens in todo]
         for fut in as_completed(futures):
             rows = fut.result()
@@ -180,29 +180,29 @@ def tuned_lr(rows: pd.DataFrame, model: str, tokens: int = DEMO_TOKENS) -> float
     return float(by_rate.loc[by_rate["count"] == by_rate["count"].max(), "mean"].idxmin())
 
 
-def stage_jobs(stage: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=None, seeds=SEEDS,
+def phase_jobs(phase: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=None, seeds=SEEDS,
                demo_tokens: int = DEMO_TOKENS, budget_tokens: int = BUDGET_TOKENS,
                lr: float | None = None) -> list[tuple]:
-    """The (model, lr, seed, tokens) runs of ``stage``; ``sweep`` runs each model at its rates
+    """The (model, lr, seed, tokens) runs of ``phase``; ``sweep`` runs each model at its rates
     (``lrs`` or :data:`LRS`, :data:`RATES` for a model not there), ``seeds`` takes each model's best
     rate from the sweep's rows (``rows``), ``budget`` its tuned rate (:func:`tuned_lr`), ``variants``
     trains each of :data:`VARIANTS` at ``lr`` (default: the default CTE's sweep's best)."""
-    if stage == "sweep":  # rates from the middle out, so that the first finished runs say the most
+    if phase == "sweep":  # rates from the middle out, so that the first finished runs say the most
         rates = {m: (lrs or LRS).get(m, RATES) for m in models}
         jobs = [(abs(i - (len(rates[m]) - 1) / 2), (m, lr, seeds[0], demo_tokens))
                 for m in models for i, lr in enumerate(rates[m])]
         return [j for _, j in sorted(jobs, key=lambda dj: dj[0])]
     if rows is None:
-        raise ValueError(f"stage {stage} needs the sweep's rows: run the sweep first")
-    if stage == "variants":
-        lr = best_lr(rows[rows["stage"] == "sweep"], "default", demo_tokens) if lr is None else lr
+        raise ValueError(f"phase {phase} needs the sweep's rows: run the sweep first")
+    if phase == "variants":
+        lr = best_lr(rows[rows["phase"] == "sweep"], "default", demo_tokens) if lr is None else lr
         return [(m, lr, seeds[0], demo_tokens) for m in VARIANTS]
-    best = {m: best_lr(rows[rows["stage"] == "sweep"], m, demo_tokens) for m in models}
-    if stage == "seeds":
+    best = {m: best_lr(rows[rows["phase"] == "sweep"], m, demo_tokens) for m in models}
+    if phase == "seeds":
         return [(m, best[m], s, demo_tokens) for s in seeds for m in models]
-    if stage == "budget":
+    if phase == "budget":
         return [(m, tuned_lr(rows, m, demo_tokens), seeds[0], budget_tokens) for m in models]
-    raise ValueError(f"unknown stage {stage!r}: sweep, seeds, budget or variants")
+    raise ValueError(f"unknown phase {phase!r}: sweep, seeds, budget or variants")
 
 
 def timing(names, data, steps: int = 60, rounds: int = 3, threads: int = 2, models: dict | None = None,
@@ -284,7 +284,7 @@ def plot_sweep(rows: pd.DataFrame, path, tokens: int = DEMO_TOKENS) -> Path:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.experiments.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("sweep", "seeds", "budget", "variants", "timing"))
+    ap.add_argument("phase", choices=("sweep", "seeds", "budget", "variants", "timing"))
     ap.add_argument("--lr", type=float, default=None, help="variants: the rate they train at (default: the default "
                                                               "CTE's best of the sweep)")
     ap.add_argument("--data", required=True, help="directory written by `python -m fractus.data prepare`")
@@ -293,7 +293,7 @@ def main(argv=None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timing-csv", default="results/compare_timing_cpu.csv",
                     help="timing: the CSV its rows go to (replaced)")
-    ap.add_argument("--models", nargs="*", default=None, help="the models of the stage, from the three and the "
+    ap.add_argument("--models", nargs="*", default=None, help="the models of the phase, from the three and the "
                                                                "variants (default: the three; timing: all)")
     a = ap.parse_args(argv)
     unknown = [m for m in a.models or () if m not in {**MODELS, **VARIANTS}]
@@ -301,14 +301,14 @@ def main(argv=None) -> None:
         ap.error(f"unknown model(s) {unknown}; the models: {[*MODELS, *VARIANTS]}")
 
     def body():
-        if a.stage == "timing":
+        if a.phase == "timing":
             t = timing(a.models or [*MODELS, *VARIANTS], a.data)
             write_csv(a.timing_csv, t.to_dict("records"))
             print(t.groupby("model", sort=False)["tok_s"].median().to_string())
             return
         rows = pd.read_csv(a.csv) if Path(a.csv).exists() else None
-        jobs = stage_jobs(a.stage, rows, lr=a.lr, **({"models": a.models} if a.models else {}))
-        rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.stage, a.workers, models={**MODELS, **VARIANTS})
+        jobs = phase_jobs(a.phase, rows, lr=a.lr, **({"models": a.models} if a.models else {}))
+        rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.phase, a.workers, models={**MODELS, **VARIANTS})
         print(summary(rows).to_string(float_format=lambda x: f"{x:.4g}"))
     run_command(body, interrupted="interrupted: finished runs are in the CSV; a stopped one resumes from its "
                                   "run directory")

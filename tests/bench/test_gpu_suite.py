@@ -140,19 +140,19 @@ def test_notebooks_read_a_gpu_runs_tables(dry_run, tmp_path, monkeypatch):
         assert ("bf16 autocast: " in text) == path.name.startswith("02_"), path.name
 
 
-def test_gpu_suite_budget_skips_stages(tmp_path):
+def test_gpu_suite_time_limit_skips_parts(tmp_path):
     (tmp_path / "ceilings.csv").write_text("copy_gbs\n1.0\n")  # an earlier run's: gone, not read beside this one's
-    tables = run_suite(tmp_path, dry_run=True, budget_s=-1.0)  # spent before the first stage
+    tables = run_suite(tmp_path, dry_run=True, time_limit_s=-1.0)  # spent before the first part
     f = pd.read_csv(tmp_path / "failures.csv")
-    assert len(f) == len(tables["failures"]) >= 12 and f["error"].str.startswith("skipped: the time budget").all()
-    assert {"ceilings", "correctness_linear_attention", "train_throughput", "profile"} <= set(f["stage"])
+    assert len(f) == len(tables["failures"]) >= 12 and f["error"].str.startswith("skipped: the time limit").all()
+    assert {"ceilings", "correctness_linear_attention", "train_throughput", "profile"} <= set(f["part"])
     assert (tmp_path / "provenance.json").exists() and not (tmp_path / "ceilings.csv").exists()
     assert not (pd.read_csv(tmp_path / "targets.csv")["met"] == True).any()  # noqa: E712  nothing measured, nothing met
 
 
 def test_gpu_suite_runs_the_rest_in_a_fresh_process_after_cuda_context_loss(tmp_path, monkeypatch):
-    """An illegal address fails every later CUDA call of the process: the stages after it run in a
-    fresh one (where the stage that failed here runs fine), and their tables come back."""
+    """An illegal address fails every later CUDA call of the process: the parts after it run in a
+    fresh one (where the part that failed here runs fine), and their tables come back."""
     import time
 
     from fractus.bench import gpu
@@ -162,15 +162,15 @@ def test_gpu_suite_runs_the_rest_in_a_fresh_process_after_cuda_context_loss(tmp_
     monkeypatch.setattr(gpu, "generation_rows", illegal_address)
     monkeypatch.setattr(gpu, "cuda_context_lost", lambda device: True)
     names = ["correctness_kuramoto", "generation", "timing_kuramoto", "generation"]
-    tables, failures = gpu.run_stages(tmp_path, names, dry_run=True, t_start=time.time())
-    assert [f["stage"] for f in failures] == ["generation"] and "illegal memory access" in failures[0]["error"]
+    tables, failures = gpu.run_parts(tmp_path, names, dry_run=True, t_start=time.time())
+    assert [f["part"] for f in failures] == ["generation"] and "illegal memory access" in failures[0]["error"]
     assert set(tables) == {"correctness_kuramoto", "timing_kuramoto", "generation"}
     clock = tables["timing_kuramoto"]
     assert (tables["generation"]["tok_s"] > 0).all() and clock.loc[clock["metric"] == "time", "median"].notna().all()
     assert not (tmp_path / gpu.RESULT_FILE).exists()
 
 
-def test_gpu_suite_records_stages_whose_fresh_process_died(tmp_path, monkeypatch):
+def test_gpu_suite_records_parts_whose_fresh_process_died(tmp_path, monkeypatch):
     import shutil
     import time
 
@@ -178,29 +178,29 @@ def test_gpu_suite_records_stages_whose_fresh_process_died(tmp_path, monkeypatch
     monkeypatch.setattr(gpu, "generation_rows", lambda device, dry_run: 1 / 0)
     monkeypatch.setattr(gpu, "cuda_context_lost", lambda device: True)
     monkeypatch.setattr(gpu.sys, "executable", shutil.which("false"))  # the fresh process exits at once
-    tables, failures = gpu.run_stages(tmp_path, ["generation", "optimizations", "profile"], True, time.time())
-    assert tables == {} and [f["stage"] for f in failures] == ["generation", "optimizations", "profile"]
+    tables, failures = gpu.run_parts(tmp_path, ["generation", "optimizations", "profile"], True, time.time())
+    assert tables == {} and [f["part"] for f in failures] == ["generation", "optimizations", "profile"]
     assert all(f["error"].endswith("from optimizations exited with code 1") for f in failures[1:])
 
 
-def test_gpu_suite_stops_a_fresh_process_that_outlives_the_budget(tmp_path, monkeypatch):
+def test_gpu_suite_stops_a_fresh_process_that_outlives_the_time_limit(tmp_path, monkeypatch):
     import time
 
     from fractus.bench import gpu
     monkeypatch.setattr(gpu, "generation_rows", lambda device, dry_run: 1 / 0)
     monkeypatch.setattr(gpu, "cuda_context_lost", lambda device: True)
-    monkeypatch.setattr(gpu, "LAST_STAGE_S", -999.0)  # budget 1000 s: the fresh process gets 1 s
+    monkeypatch.setattr(gpu, "LAST_PART_S", -999.0)  # time limit 1000 s: the fresh process gets 1 s
     t0 = time.time()
-    tables, failures = gpu.run_stages(tmp_path, ["generation", "optimizations"], True, t0, budget_s=1000.0)
-    # SIGTERM while it starts (killed: "was stopped after 1 s") or inside its stage (it hands back "stopped")
-    assert tables == {} and [f["stage"] for f in failures] == ["generation", "optimizations"]
-    assert failures[1]["error"].endswith("was stopped after 1 s (the time budget)") or \
+    tables, failures = gpu.run_parts(tmp_path, ["generation", "optimizations"], True, t0, time_limit_s=1000.0)
+    # SIGTERM while it starts (killed: "was stopped after 1 s") or inside its part (it hands back "stopped")
+    assert tables == {} and [f["part"] for f in failures] == ["generation", "optimizations"]
+    assert failures[1]["error"].endswith("was stopped after 1 s (the time limit)") or \
         failures[1]["error"] == "stopped: signal SIGTERM", failures[1]
     assert time.time() - t0 < 40
 
 
-def test_sigterm_stops_the_running_stage_and_keeps_what_was_measured(tmp_path, monkeypatch):
-    """`timeout` sends SIGTERM: the stage running stops (keeping the rows it measured), the later
+def test_sigterm_stops_the_running_part_and_keeps_what_was_measured(tmp_path, monkeypatch):
+    """`timeout` sends SIGTERM: the part running stops (keeping the rows it measured), the later
     ones are listed, nothing measured is lost."""
     import os
     import signal
@@ -215,20 +215,20 @@ def test_sigterm_stops_the_running_stage_and_keeps_what_was_measured(tmp_path, m
     monkeypatch.setattr(gpu, "generation_rows", killed)
     before, t0 = signal.getsignal(signal.SIGTERM), time.time()
     with gpu.stop_on_sigterm():
-        tables, failures = gpu.run_stages(tmp_path, ["correctness_kuramoto", "generation", "optimizations"], True,
+        tables, failures = gpu.run_parts(tmp_path, ["correctness_kuramoto", "generation", "optimizations"], True,
                                           t0)
         os.kill(os.getpid(), signal.SIGTERM)  # `timeout` signals the process, then its group: the second is ignored
         time.sleep(0.2)
     assert time.time() - t0 < 20 and set(tables) == {"correctness_kuramoto", "generation"}
     assert (tmp_path / "correctness_kuramoto.csv").exists()
-    assert pd.read_csv(tmp_path / "generation.csv")["tok_s"].tolist() == [1.0]  # the stopped stage's row
-    assert failures == [{"stage": n, "error": "stopped: signal SIGTERM", "trace": ""}
+    assert pd.read_csv(tmp_path / "generation.csv")["tok_s"].tolist() == [1.0]  # the stopped part's row
+    assert failures == [{"part": n, "error": "stopped: signal SIGTERM", "trace": ""}
                         for n in ("generation", "optimizations")]
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_sigterm_after_a_stage_ended_lists_only_the_later_ones(tmp_path):
-    """A SIGTERM while the outcome of a finished stage is written: that stage is not listed as stopped."""
+def test_sigterm_after_a_part_ended_lists_only_the_later_ones(tmp_path):
+    """A SIGTERM while the outcome of a finished part is written: that part is not listed as stopped."""
     import os
     import signal
     import time
@@ -239,13 +239,13 @@ def test_sigterm_after_a_stage_ended_lists_only_the_later_ones(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
     with gpu.stop_on_sigterm():
-        tables, failures = gpu.run_stages(tmp_path, ["correctness_kuramoto", "generation"], True, time.time(),
-                                          after_stage=after)
+        tables, failures = gpu.run_parts(tmp_path, ["correctness_kuramoto", "generation"], True, time.time(),
+                                          after_part=after)
     assert set(tables) == {"correctness_kuramoto"}
-    assert failures == [{"stage": "generation", "error": "stopped: signal SIGTERM", "trace": ""}]
+    assert failures == [{"part": "generation", "error": "stopped: signal SIGTERM", "trace": ""}]
 
 
-def test_a_stage_failing_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+def test_a_part_failing_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     import time
 
     from fractus.bench import gpu
@@ -254,8 +254,8 @@ def test_a_stage_failing_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch
         yield {"preset": "tiny", "tok_s": 1.0}
         raise RuntimeError("the second preset failed")
     monkeypatch.setattr(gpu, "generation_rows", half)
-    tables, failures = gpu.run_stages(tmp_path, ["generation", "correctness_kuramoto"], True, time.time())
-    assert [f["stage"] for f in failures] == ["generation"] and "second preset" in failures[0]["error"]
+    tables, failures = gpu.run_parts(tmp_path, ["generation", "correctness_kuramoto"], True, time.time())
+    assert [f["part"] for f in failures] == ["generation"] and "second preset" in failures[0]["error"]
     assert pd.read_csv(tmp_path / "generation.csv")["tok_s"].tolist() == [1.0]
     assert len(tables["generation"]) == 1 and tables["correctness_kuramoto"]["passed"].all()
 
@@ -355,21 +355,21 @@ def test_an_offsets_case_that_fails_keeps_the_others_rows(monkeypatch):
         "linear_attention", "cross_entropy", "moe", "kuramoto_phase"}
 
 
-def test_the_outcome_is_written_after_every_stage(tmp_path, monkeypatch):
-    """targets.csv and failures.csv stand after each stage: a suite killed later still leaves them."""
+def test_the_outcome_is_written_after_every_part(tmp_path, monkeypatch):
+    """targets.csv and failures.csv stand after each part: a suite killed later still leaves them."""
     import time
 
     from fractus.bench import gpu
     monkeypatch.setattr(gpu, "generation_rows", lambda device, dry_run: 1 / 0)
     seen = []
-    gpu.run_stages(tmp_path, ["correctness_kuramoto", "generation"], True, time.time(),
-                   after_stage=lambda tables, failures: seen.append((sorted(tables), [f["stage"] for f in failures])))
+    gpu.run_parts(tmp_path, ["correctness_kuramoto", "generation"], True, time.time(),
+                   after_part=lambda tables, failures: seen.append((sorted(tables), [f["part"] for f in failures])))
     assert seen == [(["correctness_kuramoto"], []), (["correctness_kuramoto"], ["generation"])]
     targets = pd.DataFrame(gpu.target_rows({}))
     assert targets["met"].isna().all()  # nothing measured, nothing met or missed
 
 
-def test_the_correctness_stages_run_with_poisoned_outputs(tmp_path, monkeypatch):
+def test_the_correctness_parts_run_with_poisoned_outputs(tmp_path, monkeypatch):
     """Their checks see NaN wherever a kernel left an output unwritten (also outside pytest's poisoning)."""
     import time
 
@@ -383,5 +383,5 @@ def test_the_correctness_stages_run_with_poisoned_outputs(tmp_path, monkeypatch)
     monkeypatch.setattr(cross_entropy, "correctness_rows", rows)
     monkeypatch.setattr(cross_entropy, "gpu_rows", lambda smoke: rows(None, smoke))
     monkeypatch.setattr(backend, "_POISON", False)  # as outside pytest
-    gpu.run_stages(tmp_path, ["correctness_cross_entropy", "timing_cross_entropy"], True, time.time())
+    gpu.run_parts(tmp_path, ["correctness_cross_entropy", "timing_cross_entropy"], True, time.time())
     assert seen == [True, False] and not backend._POISON  # the timings are not poisoned

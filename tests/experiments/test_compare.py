@@ -1,4 +1,4 @@
-"""The comparison runner: its stages' jobs, the choice of each model's rate, and a run that keeps
+"""The comparison runner: its phases' jobs, the choice of each model's rate, and a run that keeps
 what is already measured and resumes what was stopped."""
 import pandas as pd
 import pytest
@@ -13,27 +13,27 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def rows(spec):
     """CSV rows from (model, lr, seed, val_ce) at 3 M tokens, each model's own reading."""
     return pd.DataFrame([{"model": m, "lr": lr, "seed": s, "tokens": C.trained_tokens(C.DEMO_TOKENS),
-                          "eval": C.headline_reading(m), "val_ce": ce, "val_bpb": ce / 2, "tok_s": 1000.0, "stage": "sweep"}
+                          "eval": C.headline_reading(m), "val_ce": ce, "val_bpb": ce / 2, "tok_s": 1000.0, "phase": "sweep"}
                          for m, lr, s, ce in spec])
 
 
 def test_sweep_then_seeds_and_budget_at_each_model_s_best_rate():
-    sweep = C.stage_jobs("sweep", None)
+    sweep = C.phase_jobs("sweep", None)
     assert sorted(sweep) == sorted((m, lr, 0, C.DEMO_TOKENS) for m in C.MODELS for lr in C.LRS[m])
     assert [j[:2] for j in sweep[:4]] == [("transformer", 1.5e-3), ("original", 1.5e-3), ("default", 3e-3),
                                           ("default", 6e-3)]  # middles first
-    lever = C.stage_jobs("sweep", None, models=("default − decay gate",))
+    lever = C.phase_jobs("sweep", None, models=("default − decay gate",))
     assert [j[1] for j in lever] == [1.5e-3, 7.5e-4, 3e-3, 3.75e-4, 6e-3]  # RATES, from the middle out
     r = rows([("default", 1.5e-3, 0, 4.4), ("default", 3e-3, 0, 4.3), ("transformer", 1.5e-3, 0, 4.2),
               ("transformer", 3e-3, 0, 4.5), ("original", 3e-3, 0, 5.0)])
     r = pd.concat([r, r.assign(eval="chunks", val_ce=1.0)[r["model"] == "transformer"]])  # not its headline
     assert C.best_lr(r, "default") == 3e-3 and C.best_lr(r, "transformer") == 1.5e-3
-    seeds = C.stage_jobs("seeds", r)
+    seeds = C.phase_jobs("seeds", r)
     assert ("default", 3e-3, 2, C.DEMO_TOKENS) in seeds and len(seeds) == 3 * len(C.SEEDS)
-    assert C.stage_jobs("budget", r) == [(m, lr, 0, C.BUDGET_TOKENS) for m, lr in
+    assert C.phase_jobs("budget", r) == [(m, lr, 0, C.BUDGET_TOKENS) for m, lr in
                                          (("default", 3e-3), ("transformer", 1.5e-3), ("original", 3e-3))]
-    assert C.stage_jobs("variants", r, lr=2e-3) == [(m, 2e-3, 0, C.DEMO_TOKENS) for m in C.VARIANTS]
-    assert {j[1] for j in C.stage_jobs("variants", r)} == {3e-3}  # the default's best
+    assert C.phase_jobs("variants", r, lr=2e-3) == [(m, 2e-3, 0, C.DEMO_TOKENS) for m in C.VARIANTS]
+    assert {j[1] for j in C.phase_jobs("variants", r)} == {3e-3}  # the default's best
     t = C.summary(r)
     assert t.loc["default", "ce_vs_transformer"] == pytest.approx(0.1)
     # a second rate run from as many seeds as the sweep's best, and better on them, is the tuned one
@@ -41,7 +41,7 @@ def test_sweep_then_seeds_and_budget_at_each_model_s_best_rate():
     assert C.best_lr(more[more["seed"] == 0], "default") == 3e-3
     assert C.tuned_lr(more, "default") == 1.5e-3 and C.tuned_lr(more, "transformer") == 1.5e-3
     assert C.summary(more).loc["default", "lr"] == 1.5e-3
-    assert C.stage_jobs("budget", more)[0] == ("default", 1.5e-3, 0, C.BUDGET_TOKENS)
+    assert C.phase_jobs("budget", more)[0] == ("default", 1.5e-3, 0, C.BUDGET_TOKENS)
     with pytest.raises(ValueError, match="no original runs"):
         C.best_lr(r[r["model"] != "original"], "original")
 
