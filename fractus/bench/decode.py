@@ -189,3 +189,17 @@ def run(out, smoke: bool = False) -> list[dict]:
     write_csv(Path(out) / "decode_cpu.csv", rows)
     plot(rows, Path(out) / "decode.png")
     return rows
+
+
+def gpu_rows(device, smoke: bool = False) -> list[dict]:
+    """The GPU suite's decode part: both measurements on ``device`` (the CTE's kernels by their
+    default dispatch: Triton on CUDA), palier0's size and every position and batch; tiny sizes and
+    two positions on a dry run."""
+    if smoke:
+        cte, tf = build("tiny", vocab=512)
+        cte, tf = cte.to(device), tf.to(device)
+        return (decode_rows(cte, tf, positions=(1, 300), batches=(1,), rounds=1, steps=1)
+                + prefill_rows(cte, tf, lengths=(64,), rounds=1))
+    cte, tf = build()
+    cte, tf = cte.to(device), tf.to(device)
+    return decode_rows(cte, tf, rounds=3) + prefill_rows(cte, tf, rounds=2)

@@ -41,7 +41,7 @@ import pandas as pd
 import torch
 
 from fractus.atomic import atomic_open
-from fractus.bench import common, cross_entropy, harness, linear_attention, moe, optimizations, profile
+from fractus.bench import common, cross_entropy, decode, harness, linear_attention, moe, optimizations, profile
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
 from fractus.bench.costmodel import datasheet, flops_per_token, gpu_step
 from fractus.bench.cpu_costmodel import host_op_seconds
@@ -328,6 +328,7 @@ def _part_fns(out: Path, device: torch.device, dry_run: bool) -> dict[str, Calla
         fns[f"timing_{k}"] = lambda k=k: OPS[k].gpu_rows(smoke=dry_run)
     fns["timing_kuramoto"] = lambda: kuramoto_rows(device, dry_run, timing=True)
     fns["generation"] = lambda: generation_rows(device, dry_run)
+    fns["decode"] = lambda: decode.gpu_rows(device, smoke=dry_run)
     fns["optimizations"] = lambda: optimizations.gpu_rows(smoke=dry_run)
     fns["profile"] = lambda: profile.gpu_rows(smoke=dry_run)
     # last: tens of GB per case, and the suite's other checks do not wait for it

@@ -22,7 +22,7 @@ def dry_run(tmp_path_factory):
 def test_gpu_suite_dry_run(dry_run):
     tmp_path, tables = dry_run
     assert tables["failures"].empty, tables["failures"].to_dict("records")
-    for name in ["ceilings", "precompile", "trainer_resume", "train_throughput", "generation", "optimizations",
+    for name in ["ceilings", "precompile", "trainer_resume", "train_throughput", "generation", "decode", "optimizations",
                  "profile", "correctness_offsets"] + [
             f"{s}_{k}" for k in (*KERNELS, "kuramoto") for s in ("correctness", "timing")]:
         df = pd.read_csv(tmp_path / f"{name}.csv")
