@@ -239,3 +239,13 @@ def test_triton_low_precision(lowrank, masters, dtype):
     assert [g.dtype for g in got[3:]] == [v.dtype for v in ex.values()]
     for name, a, b, t in zip(["y", "dx", "dw", *ex], got, same, truth):
         assert_lowp(a, b, t, lowp_tol(3e-4, dtype), f"triton {dtype} {name}")
+
+
+def test_no_expert_per_token_is_refused_on_every_path():
+    """K = 0: every path refuses it alike (the reference once returned an output without a graph,
+    the others zeros with one)."""
+    experts = make_experts(E=4, d=D, F=FF, r=8)
+    x = torch.randn(5, D, requires_grad=True)
+    for backend in ("reference", "torch"):
+        with pytest.raises(ValueError, match="K = 0 experts per token"):
+            moe(x, torch.zeros(5, 0, dtype=torch.long), torch.zeros(5, 0), experts, backend=backend)

@@ -68,7 +68,8 @@ def _chunks(fq, fk, ve, S, lg, C, r=None):
 def linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps, normalize=True, resets=None):
     """Chunked forward in fp32 with plain autograd; cost linear in T, no [B, T, D, D] tensor.
     Under autocast the matmuls within a chunk take its dtype (as the Triton kernels' dots take the
-    inputs'); the state is summed, and multiplied with the queries, in fp32."""
+    inputs'); the state is summed, and multiplied with the queries, in fp32. fp64 inputs are
+    computed in fp32 too (and returned in fp64): the fp64 path is the reference's."""
     B, T, H, D = q.shape
     Lv = len(omegas)
     N = Lv * H

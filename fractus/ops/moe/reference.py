@@ -44,6 +44,8 @@ def check_inputs(x, idx, w, experts, bounds: bool) -> bool:
     N, d = x.shape
     if idx.dim() != 2 or idx.shape[0] != N:
         raise ValueError(f"idx must be [N, K] with N={N} (x's rows), got {tuple(idx.shape)}")
+    if idx.shape[1] == 0:
+        raise ValueError("idx has K = 0 experts per token: give K ≥ 1 (with none, y is 0 for every token)")
     if w.shape != idx.shape:
         raise ValueError(f"w must be [N, K]={tuple(idx.shape)} like idx, got {tuple(w.shape)}")
     if not x.is_floating_point() or not w.is_floating_point() or idx.dtype not in _INT_DTYPES:
