@@ -76,10 +76,14 @@ def _prepare(path: str, vocab: int, workers: int) -> dict:
 
 
 def measure_one(method: str, path: str, vocab: int, n: int) -> dict:
-    """One measurement in this process: the counts, seconds and peak RSS (MB) of self and children."""
+    """One measurement in this process: the counts, the seconds and the peak resident memory (MB)
+    of this process and of its largest worker; ``peak_rss_mb`` bounds the total from above (this
+    process plus ``n`` workers at the largest one's peak; tiktoken's threads are in this process)."""
     r = (_tiktoken if method == "tiktoken" else _prepare)(path, vocab, n)
-    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-    return {**r, "peak_rss_mb": peak / 1024}
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if method == "prepare" and n > 1 else 0.0
+    return {**r, "peak_rss_main_mb": own, "peak_rss_worker_mb": worker,
+            "peak_rss_mb": own + (n * worker if worker else 0.0)}
 
 
 def in_fresh_process(method: str, path: Path, vocab: int, n: int) -> dict:
