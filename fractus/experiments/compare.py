@@ -180,13 +180,18 @@ def tuned_lr(rows: pd.DataFrame, model: str, tokens: int = DEMO_TOKENS) -> float
     return float(by_rate.loc[by_rate["count"] == by_rate["count"].max(), "mean"].idxmin())
 
 
-def phase_jobs(phase: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=None, seeds=SEEDS,
+def phase_jobs(phase: str, rows: pd.DataFrame | None, models=None, lrs=None, seeds=SEEDS,
                demo_tokens: int = DEMO_TOKENS, budget_tokens: int = BUDGET_TOKENS,
                lr: float | None = None) -> list[tuple]:
     """The (model, lr, seed, tokens) runs of ``phase``; ``sweep`` runs each model at its rates
     (``lrs`` or :data:`LRS`, :data:`RATES` for a model not there), ``seeds`` takes each model's best
     rate from the sweep's rows (``rows``), ``budget`` its tuned rate (:func:`tuned_lr`), ``variants``
-    trains each of :data:`VARIANTS` at ``lr`` (default: the default CTE's sweep's best)."""
+    trains each of :data:`VARIANTS` at ``lr`` (default: the default CTE's sweep's best). ``models``:
+    the phase's models (default: the three of :data:`MODELS`; for ``variants``, every variant)."""
+    if phase == "variants" and models is not None and set(models) - set(VARIANTS):
+        raise ValueError(f"variants trains variants: {sorted(set(models) - set(VARIANTS))} are not among "
+                         f"{list(VARIANTS)}")
+    models = tuple(models) if models is not None else (tuple(VARIANTS) if phase == "variants" else tuple(MODELS))
     if phase == "sweep":  # rates from the middle out, so that the first finished runs say the most
         rates = {m: (lrs or LRS).get(m, RATES) for m in models}
         jobs = [(abs(i - (len(rates[m]) - 1) / 2), (m, lr, seeds[0], demo_tokens))
@@ -196,7 +201,7 @@ def phase_jobs(phase: str, rows: pd.DataFrame | None, models=tuple(MODELS), lrs=
         raise ValueError(f"phase {phase} needs the sweep's rows: run the sweep first")
     if phase == "variants":
         lr = best_lr(rows[rows["phase"] == "sweep"], "default", demo_tokens) if lr is None else lr
-        return [(m, lr, seeds[0], demo_tokens) for m in VARIANTS]
+        return [(m, lr, seeds[0], demo_tokens) for m in models]
     best = {m: best_lr(rows[rows["phase"] == "sweep"], m, demo_tokens) for m in models}
     if phase == "seeds":
         return [(m, best[m], s, demo_tokens) for s in seeds for m in models]

@@ -34,6 +34,10 @@ def test_sweep_then_seeds_and_budget_at_each_model_s_best_rate():
                                          (("default", 3e-3), ("transformer", 1.5e-3), ("original", 3e-3))]
     assert C.phase_jobs("variants", r, lr=2e-3) == [(m, 2e-3, 0, C.DEMO_TOKENS) for m in C.VARIANTS]
     assert {j[1] for j in C.phase_jobs("variants", r)} == {3e-3}  # the default's best
+    one = next(iter(C.VARIANTS))  # --models names the variants to train, and only those
+    assert C.phase_jobs("variants", r, models=[one], lr=2e-3) == [(one, 2e-3, 0, C.DEMO_TOKENS)]
+    with pytest.raises(ValueError, match="variants trains variants"):
+        C.phase_jobs("variants", r, models=["default"])
     t = C.summary(r)
     assert t.loc["default", "ce_vs_transformer"] == pytest.approx(0.1)
     # a second rate run from as many seeds as the sweep's best, and better on them, is the tuned one
