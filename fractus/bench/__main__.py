@@ -120,8 +120,20 @@ def main(argv=None) -> None:
     run_command(lambda: run(ap, a), interrupted="interrupted: the CSVs written so far are whole")
 
 
+def check_writable(out: Path) -> None:
+    """OSError naming ``out`` unless a file can be written in it (made if absent): checked before
+    anything is measured, so that no measurement is lost at the end."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise OSError(f"--out {out} cannot be written ({e.strerror or e}): give a folder the CSVs can go to") from None
+
+
 def run(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """The parsed command ``a``."""
+    check_writable(Path(a.out))
     if a.cmd == "cpu":
         run_cpu(Path(a.out), a.only)
     elif a.cmd == "costmodel":

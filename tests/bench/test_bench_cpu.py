@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pandas as pd
+import pytest
 
 from fractus.bench.harness import COLUMNS
 from util import ROOT
@@ -32,3 +33,14 @@ def test_bench_cpu_writes_every_subjects_csv(tmp_path):
     default = train[~train["preset"].str.startswith("original-")]
     assert {f"original-{p}" for p in default["preset"]} <= set(train["preset"]), train["preset"].tolist()
     assert default["vs_original"].notna().all() and (default["vs_original"] > 0).all(), default["vs_original"]
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_measuring(capsys, monkeypatch):
+    """Checked first: nothing is measured (the measuring functions would fail the test) and the error
+    names the folder."""
+    from fractus.bench import __main__ as bench_main
+    monkeypatch.setattr(bench_main, "run_cpu", lambda *a: (_ for _ in ()).throw(AssertionError("measured")))
+    with pytest.raises(SystemExit) as e:
+        bench_main.main(["cpu", "--out", "/proc/self/fractus-results"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: --out /proc/self/fractus-results cannot be written"), err
