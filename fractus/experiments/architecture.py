@@ -11,15 +11,15 @@ final validation CE (nats/token), bits per byte, perplexity, training seconds an
 """
 from __future__ import annotations
 
-import multiprocessing as mp
+import contextlib
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from fractus.experiments import runner
 from fractus.model import ORIGINAL, FractusConfig
 from fractus.training.records import append_csv
 from fractus.training.optim import default_lr
@@ -146,11 +146,12 @@ def run(vs: list[Variant], data, tokens: int, seeds=(0, 1, 2), csv: Path | None 
             rows[i] = done[key]
     if rows:
         log(f"{len(rows)} of {len(jobs)} runs kept from {csv}")
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(train_variant, v, data, tokens, seed, threads): i
-                   for i, (v, seed) in enumerate(jobs) if i not in rows}
-        for fut in as_completed(futures):
-            r = rows[futures[fut]] = fut.result()
+    with runner.held(csv) if csv is not None else contextlib.nullcontext(), runner.Workers(workers) as pool:
+        for i, (v, seed) in enumerate(jobs):
+            if i not in rows:
+                pool.submit(i, train_variant, v, data, tokens, seed, threads)
+        for i, r in pool.done():
+            rows[i] = r
             if csv is not None:
                 append_csv(csv, r)
             log(f"seed {r['seed']} {r['variant']:48s} val CE {r['val_ce']:.4f}  {r['val_bpb']:.4f} bits/byte  "

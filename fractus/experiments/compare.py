@@ -14,24 +14,23 @@ context). Five phases, each over the three models or the ones named (any of :dat
 - ``variants``: each of :data:`VARIANTS` at one rate (``--lr``; the default CTE's best), one seed;
 - ``timing``: training tokens/s, the models taking turns in one process (:func:`timing`).
 
-Each run trains in its own directory under ``runs`` and resumes there if it was stopped; each
-finished run appends its rows (one per evaluation reading: ``eval`` carried, sliding or chunks)
-to the results CSV with provenance, and a run whose rows are already there is not trained again.
+Each run trains in its own directory under ``runs`` and resumes there if it was stopped (one
+stopped before its first checkpoint starts again); each finished run adds its rows (one per
+evaluation reading: ``eval`` carried, sliding or chunks) to the results CSV whole, with
+provenance, and a run whose rows are already there is not trained again (:mod:`.runner`).
 Runs go two at a time, one thread each, so that the models' times compare within a run.
 ``python -m fractus.experiments.compare sweep|seeds|budget|variants|timing --data DIR [--models NAME …]``.
 """
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import pandas as pd
 
 from fractus.experiments.architecture import STEP_TOKENS, Variant, trained_tokens
-from fractus.cli import run_command
+from fractus.experiments import runner
 from fractus.training.records import append_csv, write_csv
 
 MODELS = {  # name in the CSV → the model and how it reads the corpus (2,048 tokens a step each)
@@ -100,9 +99,10 @@ def train_one(model: str, v: Variant, lr: float, seed: int, tokens: int, data, r
     """Train ``model`` (``v``) at peak rate ``lr`` from ``seed`` for ``tokens`` tokens in its run
     directory (resuming a stopped run there); its rows, one per evaluation reading."""
     from fractus.training.registry import load_model  # in the worker process
-    from fractus.training.runs import read_metrics
+    from fractus.training.runs import clear_unstarted, read_metrics
     from fractus.training.command import train
     out = run_dir(runs, model, lr, seed, tokens)
+    clear_unstarted(out)  # nothing to resume before the first checkpoint: the run starts again
     argv = v.argv(data, out, tokens, seed, threads)
     argv[argv.index("--ckpt-every") + 1] = "200"
     argv += ["--lr", repr(lr)] + (["--resume"] if (out / "ckpt.pt").exists() else [])
@@ -123,34 +123,39 @@ def _key(model, lr, seed, tokens) -> tuple:
     return model, float(f"{float(lr):g}"), int(seed), int(tokens)
 
 
+RUN_KEY = ("model", "lr", "seed", "tokens")  # a run's rows in the CSV
+
+
+def read_rows(csv) -> pd.DataFrame:
+    """The comparison's rows in ``csv`` (none if absent); ValueError unless it is the comparison's CSV."""
+    return runner.read_results(csv, COLUMNS, "the comparison")
+
+
 def done_runs(csv: Path) -> set:
     """(model, lr, seed, tokens) of every run whose rows ``csv`` holds."""
-    if not Path(csv).exists():
-        return set()
-    d = pd.read_csv(csv)
-    return {_key(r.model, r.lr, r.seed, r.tokens) for r in d.itertuples()}
+    return {_key(r.model, r.lr, r.seed, r.tokens) for r in read_rows(csv).itertuples()}
 
 
 def run(jobs: list[tuple], data, csv: Path, runs: Path, phase: str, workers: int = 2, threads: int = 1,
         log=print, models: dict | None = None) -> pd.DataFrame:
     """Train each (model, lr, seed, tokens) of ``jobs`` not yet in ``csv``, ``workers`` at a time of
     ``threads`` threads (``models``: name → :class:`Variant`, default :data:`MODELS`); each run's rows
-    appended to ``csv`` as it ends. Returns ``csv``'s rows."""
+    added to ``csv`` whole as it ends. Holds ``csv`` and ``runs`` while it trains; Ctrl-C stops the
+    running runs (saved) and starts no other (:class:`.runner.Workers`). Returns ``csv``'s rows."""
     models = MODELS if models is None else models
-    done = done_runs(csv)
-    todo = [j for j in jobs if _key(j[0], j[1], j[2], trained_tokens(j[3])) not in done]
-    if len(todo) < len(jobs):
-        log(f"{len(jobs) - len(todo)} of {len(jobs)} runs kept from {csv}")
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(train_one, m, models[m], lr, seed, tokens, data, runs, threads, phase)
-                   for m, lr, seed, tokens in todo]
-        for fut in as_completed(futures):
-            rows = fut.result()
-            for r in rows:
-                append_csv(csv, r)
-            log("  ".join(f"{r['model']} lr {r['lr']:g} seed {r['seed']} {r['eval']}: {r['val_ce']:.4f}"
-                          for r in rows) + f"  ({rows[0]['tok_s']:,.0f} tok/s)")
-    return pd.read_csv(csv)
+    with runner.held(csv, runs):
+        done = done_runs(csv)
+        todo = [j for j in jobs if _key(j[0], j[1], j[2], trained_tokens(j[3])) not in done]
+        if len(todo) < len(jobs):
+            log(f"{len(jobs) - len(todo)} of {len(jobs)} runs kept from {csv}")
+        with runner.Workers(workers) as pool:
+            for m, lr, seed, tokens in todo:
+                pool.submit(None, train_one, m, models[m], lr, seed, tokens, data, runs, threads, phase)
+            for _, rows in pool.done():
+                append_csv(csv, rows, replace=RUN_KEY)
+                log("  ".join(f"{r['model']} lr {r['lr']:g} seed {r['seed']} {r['eval']}: {r['val_ce']:.4f}"
+                              for r in rows) + f"  ({rows[0]['tok_s']:,.0f} tok/s)")
+    return read_rows(csv)
 
 
 def headline(rows: pd.DataFrame) -> pd.DataFrame:
@@ -311,12 +316,11 @@ def main(argv=None) -> None:
             write_csv(a.timing_csv, t.to_dict("records"))
             print(t.groupby("model", sort=False)["tok_s"].median().to_string())
             return
-        rows = pd.read_csv(a.csv) if Path(a.csv).exists() else None
-        jobs = phase_jobs(a.phase, rows, lr=a.lr, **({"models": a.models} if a.models else {}))
+        rows = read_rows(a.csv)
+        jobs = phase_jobs(a.phase, rows if len(rows) else None, lr=a.lr, **({"models": a.models} if a.models else {}))
         rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.phase, a.workers, models={**MODELS, **VARIANTS})
         print(summary(rows).to_string(float_format=lambda x: f"{x:.4g}"))
-    run_command(body, interrupted="interrupted: finished runs are in the CSV; a stopped one resumes from its "
-                                  "run directory")
+    runner.main(body)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ growth saves compute; NaN: the grown path never gets there).
 ``python -m fractus.experiments.growth sweep|measure --data DIR``: ``sweep`` trains the target from scratch
 at each of a few peak rates on a short budget (its tuned rate), ``measure`` trains both paths from
 each seed. Every run resumes in its directory under ``--runs``; every finished run's evaluations
-are rows of ``--csv`` (``results/growth_cpu.csv``) with provenance, and a run whose rows are there
-is not trained again. A row's ``lr`` is the run's ``--lr``, the target's rate; a stage whose
+are rows of ``--csv`` (``results/growth_cpu.csv``) with provenance, written whole, and a run whose
+rows are there is not trained again (:mod:`.runner`). A row's ``lr`` is the run's ``--lr``, the target's rate; a stage whose
 schedule names its own rate (the grown path's small stage: ``lr=…`` in ``schedule``) trains at that.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fractus.cli import run_command
+from fractus.experiments import runner
 from fractus.training.records import append_csv
 from fractus.training.optim import default_lr
 
@@ -77,28 +77,34 @@ def curve(record: Path, path: str, schedule: str, lr: float, seed: int) -> list[
     return out
 
 
+RUN_KEY = ("path", "schedule", "lr", "seed")  # a run's rows in the CSV
+
+
+def read_rows(csv_path) -> pd.DataFrame:
+    """The growth runs' rows in ``csv_path`` (none if absent); ValueError unless it is growth's CSV."""
+    return runner.read_results(csv_path, COLUMNS, "the growth experiment")
+
+
 def done_runs(csv_path: Path) -> set:
-    if not Path(csv_path).exists():
-        return set()
-    d = pd.read_csv(csv_path)
-    return {(r.path, r.schedule, float(r.lr), int(r.seed)) for r in d.itertuples()}
+    return {(r.path, r.schedule, float(r.lr), int(r.seed)) for r in read_rows(csv_path).itertuples()}
 
 
 def run(jobs: list[tuple], data, csv_path: Path, runs: Path, eval_every: int, threads: int = 2,
         log=print, reading: list[str] = READING) -> pd.DataFrame:
     """Train each (path, schedule, lr, seed) of ``jobs`` not yet in ``csv_path``, one after the
-    other; each run's rows appended as it ends. Returns the CSV's rows."""
-    done = done_runs(csv_path)
-    for path, schedule, lr, seed in jobs:
-        if (path, schedule, float(lr), int(seed)) in done:
-            log(f"{path} {schedule} lr {lr:g} seed {seed}: kept from {csv_path}")
-            continue
-        rows = train_path(path, schedule, data, runs, lr, seed, eval_every, threads, reading)
-        for r in rows:
-            append_csv(csv_path, r)
-        log(f"{path} {schedule} lr {lr:g} seed {seed}: final CE {rows[-1]['val_ce']:.4f} "
-            f"({rows[-1]['flops']:.3g} FLOPs, {rows[-1]['wall_s']:.0f} s)")
-    return pd.read_csv(csv_path)
+    other, holding ``csv_path`` and ``runs``; each run's rows added whole as it ends. Returns the
+    CSV's rows."""
+    with runner.held(csv_path, runs):
+        done = done_runs(csv_path)
+        for path, schedule, lr, seed in jobs:
+            if (path, schedule, float(lr), int(seed)) in done:
+                log(f"{path} {schedule} lr {lr:g} seed {seed}: kept from {csv_path}")
+                continue
+            rows = train_path(path, schedule, data, runs, lr, seed, eval_every, threads, reading)
+            append_csv(csv_path, rows, replace=RUN_KEY)
+            log(f"{path} {schedule} lr {lr:g} seed {seed}: final CE {rows[-1]['val_ce']:.4f} "
+                f"({rows[-1]['flops']:.3g} FLOPs, {rows[-1]['wall_s']:.0f} s)")
+    return read_rows(csv_path)
 
 
 def best_lr(rows: pd.DataFrame, schedule: str = SWEEP["schedule"]) -> float:
@@ -161,13 +167,11 @@ def main(argv=None) -> None:
             rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.eval_every, a.threads)
             print(f"best rate: {best_lr(rows):g}")
             return
-        lr = a.lr if a.lr is not None else best_lr(pd.read_csv(a.csv) if Path(a.csv).exists() else pd.DataFrame(
-            columns=COLUMNS))
+        lr = a.lr if a.lr is not None else best_lr(read_rows(a.csv))
         jobs = [(p, PATHS[p], lr, s) for s in a.seeds for p in PATHS]
         rows = run(jobs, a.data, Path(a.csv), Path(a.runs), a.eval_every, a.threads)
         print(saving(rows[rows["lr"] == lr]).to_string(float_format=lambda x: f"{x:.4g}"))
-    run_command(body, interrupted="interrupted: finished runs are in the CSV; a stopped one resumes from its "
-                                  "run directory")
+    runner.main(body)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from fractus.baseline import Transformer, TransformerConfig
-from fractus.cli import number, positive_int, run_command, seed_number
+from fractus.cli import number, positive_int, seed_number
 from fractus.data import TokenStreams
 from fractus.model import FractusConfig, FractusCTE
+from fractus.experiments import runner
 from fractus.experiments.convergence import ACCURACY_TOL, change_over_last, next_budget
 from fractus.training.records import append_csv
 from fractus.training.optim import lr_lambda, make_optimizer
@@ -255,21 +254,24 @@ def recall_accuracy(model, seq_len: int, pairs: int, vocab: int, n: int, seed: i
     return right / total
 
 
-def _recall_job(args: tuple) -> RecallRun:
-    name, lr, seed, kw = args
+def _recall_job(name: str, lr: float, seed: int, kw: dict) -> RecallRun:
     torch.set_num_threads(1)
     return train_recall(RECALL_BY_NAME[name], lr, seed, **kw)
 
 
-RECALL_KEY = ("model", "lr", "seed", "d_model", "vocab", "steps")
+RECALL_KEY = ("model", "lr", "seed", "d_model", "vocab", "steps")  # a run's rows (and curve) in its CSV
+RECALL_COLUMNS = (*RECALL_KEY, "settled", "probe_change", "seq_len", "pairs", "accuracy", "train_s")
+
+
+def read_recall(csv) -> pd.DataFrame:
+    """The recall runs' rows in ``csv`` (none if absent); ValueError unless it is the recall grid's CSV."""
+    return runner.read_results(csv, RECALL_COLUMNS, "the recall grid")
 
 
 def recall_budgets(csv) -> dict:
     """Of the recall runs in ``csv``: {(model, lr, seed, d_model, vocab): {steps: settled}}."""
-    if not Path(csv).exists():
-        return {}
     out: dict = {}
-    for r in pd.read_csv(csv).drop_duplicates(list(RECALL_KEY)).itertuples(index=False):
+    for r in read_recall(csv).drop_duplicates(list(RECALL_KEY)).itertuples(index=False):
         out.setdefault((r.model, float(r.lr), int(r.seed), int(r.d_model), int(r.vocab)), {})[int(r.steps)] = bool(r.settled)
     return out
 
@@ -305,24 +307,26 @@ def run_recall(jobs: list[tuple], csv, curves_csv=None, workers: int = 2, log=pr
     max_steps = max(steps, max_steps or steps)
     csv = Path(csv)
     curves_csv = Path(curves_csv) if curves_csv else curves_path(csv)
-    budgets = recall_budgets(csv)
+    budgets: dict = {}
 
     def next_for(job):
         return pending_budget(budgets.get((job[0], float(job[1]), int(job[2]), kw["d_model"], kw["vocab"]), {}),
                               steps, max_steps)
 
-    todo = [(j, next_for(j)) for j in jobs]
-    todo = [(j, b) for j, b in todo if b is not None]
-    if len(todo) < len(jobs):
-        log(f"{len(jobs) - len(todo)} of {len(jobs)} recall runs kept from {csv}")
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(_recall_job, (*j, {**kw, "steps": b})): j for j, b in todo}
-        while futures:
-            fut = next(as_completed(futures))
-            job = futures.pop(fut)
-            run = fut.result()
-            append_csv(curves_csv, run.curve)
-            append_csv(csv, run.rows)
+    with runner.held(csv), runner.Workers(workers) as pool:
+        budgets = recall_budgets(csv)
+        runner.read_results(curves_csv, (*RECALL_KEY, "step", "probe_accuracy"), "the recall curves")
+        todo = [(j, next_for(j)) for j in jobs]
+        todo = [(j, b) for j, b in todo if b is not None]
+        if len(todo) < len(jobs):
+            log(f"{len(jobs) - len(todo)} of {len(jobs)} recall runs kept from {csv}")
+        for j, b in todo:
+            pool.submit(j, _recall_job, *j, {**kw, "steps": b})
+        for job, run in pool.done():
+            # the curve first, then the rows that mark the run done: a run stopped between the two is
+            # trained again, and its curve replaces the one written before
+            append_csv(curves_csv, run.curve, replace=RECALL_KEY)
+            append_csv(csv, run.rows, replace=RECALL_KEY)
             r = run.rows[0]
             budgets.setdefault((r["model"], float(r["lr"]), int(r["seed"]), r["d_model"], r["vocab"]), {})[
                 r["steps"]] = r["settled"]
@@ -332,8 +336,8 @@ def run_recall(jobs: list[tuple], csv, curves_csv=None, workers: int = 2, log=pr
                 + f" ({r['train_s']:.0f} s)")
             budget = next_for(job)
             if budget is not None:
-                futures[pool.submit(_recall_job, (*job, {**kw, "steps": budget}))] = job
-    return pd.read_csv(csv)
+                pool.submit(job, _recall_job, *job, {**kw, "steps": budget})
+    return read_recall(csv)
 
 
 def settled_reading(rows: pd.DataFrame) -> pd.DataFrame:
@@ -362,9 +366,9 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"unknown model(s) {unknown}; the models: {list(RECALL_BY_NAME)}")
     jobs = [(m, lr, s) for m in a.models for lr in a.lrs for s in a.seeds]
-    run_command(lambda: run_recall(jobs, a.csv, workers=a.workers, steps=a.steps, max_steps=a.max_steps,
+    runner.main(lambda: run_recall(jobs, a.csv, workers=a.workers, steps=a.steps, max_steps=a.max_steps,
                                    d_model=a.d_model),
-                interrupted="interrupted: finished runs are in the CSV; the stopped one starts again")
+                interrupted="interrupted: finished runs are in the CSV; a stopped one starts again")
 
 
 if __name__ == "__main__":

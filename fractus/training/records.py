@@ -109,17 +109,21 @@ def write_csv(path: str | Path, rows: Iterable[dict], device: torch.device | str
     return _write_rows(path, [{**r, **prov} for r in rows])
 
 
-def append_csv(path: str | Path, row: dict | list[dict], device: torch.device | str = "cpu") -> Path:
+def append_csv(path: str | Path, row: dict | list[dict], device: torch.device | str = "cpu",
+               replace: tuple[str, ...] = ()) -> Path:
     """Add ``row`` (or each of a list of rows, all at once) with its provenance to the CSV at ``path``
-    (created if absent), keeping the rows already there as they are; refused as :func:`csv_rows`
-    says. Processes appending to one file at once each add their rows: the read and the replace
-    happen under a lock on its folder."""
+    (created if absent), keeping the rows already there as they are — but for those whose values of
+    the columns ``replace`` are those of a row added (a run's rows written again replace its
+    earlier ones); refused as :func:`csv_rows` says. Processes appending to one file at once each
+    add their rows: the read and the replace happen under a lock on its folder."""
     prov = provenance(device)
     rows = [{**r, **prov} for r in (row if isinstance(row, list) else [row])]
     path = Path(path)
     csv_rows(path, list(rows[0]))  # refused now, not after waiting for the lock; creates the folder
+    new = {tuple(str(r[k]) for k in replace) for r in rows}
     with folder_lock(path.parent):
-        return _write_rows(path, [*csv_rows(path, list(rows[0])), *rows])
+        kept = [r for r in csv_rows(path, list(rows[0])) if not replace or tuple(r[k] for k in replace) not in new]
+        return _write_rows(path, [*kept, *rows])
 
 
 @contextlib.contextmanager

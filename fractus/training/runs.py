@@ -114,18 +114,18 @@ class RunInUse(RuntimeError):
 
 
 @contextlib.contextmanager
-def run_lock(out: Path):
+def run_lock(out: Path, option: str = "--out"):
     """Hold an exclusive ``flock`` on ``out/.lock`` (``out`` created if absent) until the block
     ends: two runs writing one directory would interleave metrics.csv and overwrite each other's
     checkpoints. The OS drops the lock when its process dies, so a killed run never blocks the
-    ``--resume`` that continues it."""
+    ``--resume`` that continues it. ``option``: the command-line option that named ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RunInUse(f"{out} is in use by another run (the process holding the lock {out / '.lock'}): wait "
-                           "for that run to end, or choose another --out") from None
+                           f"for that run to end, or choose another {option}") from None
         yield
 
 
@@ -137,3 +137,13 @@ def remove_leftover_temps(paths) -> None:
         t.unlink(missing_ok=True)
     if temps:
         print(f"removed {len(temps)} temporary file(s) of an interrupted write: {', '.join(t.name for t in temps)}")
+
+
+def clear_unstarted(out: Path) -> None:
+    """A run stopped before its first checkpoint (killed, a full disk) holds nothing to resume: its
+    run files go, so that it starts again rather than being refused for ever. Only safe while no
+    other process trains in ``out``."""
+    if out.is_dir() and not (out / "ckpt.pt").exists():
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+        remove_leftover_temps([out / name for name in RUN_FILES])

@@ -35,8 +35,8 @@ from fractus.model import FractusCTE
 from fractus.training.loop import run
 from fractus.cli import natural
 from fractus.training.options import make_config, rate
-from fractus.training.runs import (METRIC_FIELDS, RUN_FILES, planned_steps, read_metrics, remove_leftover_temps,
-                                  run_lock)
+from fractus.training.runs import (METRIC_FIELDS, clear_unstarted, planned_steps, read_metrics,
+                                  remove_leftover_temps, run_lock)
 
 GROWN_WARMUP = 10  # warm-up steps of a grown stage (a fresh optimizer on trained weights)
 SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}
@@ -154,15 +154,6 @@ def saved_schedule(path: Path) -> dict:
         raise ValueError(f"{path} is damaged ({e}): it cannot say which schedule --resume continues; "
                          "start the schedule again in another --out") from None
     return saved
-
-
-def clear_unstarted(stage_out: Path) -> None:
-    """A stage stopped before its first checkpoint (killed, a full disk) holds nothing to resume:
-    its run files go, so that it starts again rather than being refused for ever."""
-    if stage_out.is_dir() and not (stage_out / "ckpt.pt").exists():
-        for name in RUN_FILES:
-            (stage_out / name).unlink(missing_ok=True)
-        remove_leftover_temps([stage_out / name for name in RUN_FILES])
 
 
 def run_schedule(args: argparse.Namespace) -> dict:
