@@ -151,9 +151,10 @@ def test_level_decays_are_per_level(normalize):
                1e-12, "o as the levels' own")
 
 
-def per_position_decay(B, T, H, per: str, dt=torch.float64):
-    """A decay of each position's own, in [0.4, 1): [B, T, Lv, H] ("level") or [B, T, H] ("head")."""
-    return (torch.rand(B, T, *((2,) if per == "level" else ()), H) * 0.6 + 0.4).float().to(dt)
+def per_position_decay(B, T, H, per: str, dt=torch.float64, low=0.4, high=1.0):
+    """A decay of each position's own, in [low, high) ([0.4, 1) by default; strong decays: [0.01,
+    0.3)): [B, T, Lv, H] ("level") or [B, T, H] ("head")."""
+    return (torch.rand(B, T, *((2,) if per == "level" else ()), H) * (high - low) + low).float().to(dt)
 
 
 PER_POSITION_NAMES = ["o", "S", "z", "dq", "dk", "dv", "dw", "ddecay", "dS0", "dz0"]
@@ -174,16 +175,23 @@ def run_per_position(inputs, g, dtype, resets=None, state_loss=True, **kw):
     return [o, S, z, *torch.autograd.grad(loss, x)]
 
 
-@pytest.mark.parametrize("path,per,T,D,state,resets", [
-    ("torch", "level", 1, 32, True, False), ("torch", "head", 64, 32, False, False),
-    ("torch", "level", 100, 32, True, True), ("torch", "head", 257, 32, True, False),
-    ("triton", "level", 17, 48, True, False), ("triton", "head", 100, 64, False, False),
-    ("triton", "level", 257, 48, True, False), ("triton", "head", 1, 32, True, False)])
-def test_decay_per_position_vs_reference(path, per, T, D, state, resets):
+STRONG = (0.01, 0.3)  # decays that keep a few positions: the decay's gradient is small beside its parts
+
+
+@pytest.mark.parametrize("path,per,T,D,state,resets,decays", [
+    ("torch", "level", 1, 32, True, False, None), ("torch", "head", 64, 32, False, False, None),
+    ("torch", "level", 100, 32, True, True, None), ("torch", "head", 257, 32, True, False, None),
+    ("torch", "level", 4, 32, True, False, STRONG), ("torch", "head", 1, 32, False, False, STRONG),
+    ("triton", "level", 17, 48, True, False, None), ("triton", "head", 100, 64, False, False, None),
+    ("triton", "level", 257, 48, True, False, None), ("triton", "head", 1, 32, True, False, None),
+    ("triton", "level", 4, 32, True, False, STRONG), ("triton", "head", 1, 32, False, False, STRONG),
+    ("triton", "level", 100, 48, True, False, STRONG), ("triton", "head", 257, 32, False, False, STRONG)])
+def test_decay_per_position_vs_reference(path, per, T, D, state, resets, decays):
     """A decay of each position's own ([B, T, Lv, H] or [B, T, H], the model's decay_gate) vs the
-    reference's token loop: outputs, final state and every gradient, the decay's included."""
+    reference's token loop: outputs, final state and every gradient, the decay's included — strong
+    decays too (γ down to 0.01; at T = 1 without a state the decay's exact gradient is 0)."""
     inputs = make(2, T, 2, D, False, state)
-    g = per_position_decay(2, T, 2, per)
+    g = per_position_decay(2, T, 2, per, *((torch.float64, *decays) if decays else ()))
     r = random_resets(2, T) if resets else None
     truth = run_per_position(inputs, g, torch.float64, r, backend="reference")
     got = run_per_position(inputs, g, torch.float32, r, backend=path)
@@ -197,14 +205,12 @@ def test_decay_per_position_vs_reference(path, per, T, D, state, resets):
 @pytest.mark.parametrize("path,T", [("torch", 40), ("triton", 100)])
 def test_decay_per_position_low_precision(path, T, dtype):
     """The same in fp16 and bf16, by the low-precision rule against the same-dtype reference, the
-    loss on o (training's: the state is detached between calls). A loss on the final state makes
-    the Triton decay gradient the difference of ⟨dS_T, S_T⟩ and the keys' share of it, which the
-    low-precision dot operands do not cancel as fp32 ones do (fp32: above)."""
+    loss on every output, the final state's included."""
     inputs = make(2, T, 2, 48, False, True, dtype=dtype)
     g = per_position_decay(2, T, 2, "level")
-    truth = run_per_position(inputs, g, torch.float64, state_loss=False, backend="reference")
-    ref = run_per_position(inputs, g, dtype, state_loss=False, backend="reference")
-    got = run_per_position(inputs, g, dtype, state_loss=False, backend=path)
+    truth = run_per_position(inputs, g, torch.float64, backend="reference")
+    ref = run_per_position(inputs, g, dtype, backend="reference")
+    got = run_per_position(inputs, g, dtype, backend=path)
     for name, x, r, t in zip(PER_POSITION_NAMES, got, ref, truth):
         assert_lowp(x, r, t, lowp_tol(3e-3 if name == "dw" else 5e-4, dtype), f"{dtype} {name}")
 

@@ -329,8 +329,12 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
     """One (chunk, b, h) over all levels: dq, dk, dv (inter-chunk terms from S_c, z_c and the
     end-state grads dS, dz; intra-chunk terms through the decay mask), summed over levels with
     the feature-map derivative; per-level Σ dO·y_l into dwp [B·H, NC, Lv] for the level weights.
-    With DDECAY, per level and position f(q)·∂f(q) − f(k)·∂f(k) into db [B, Lv, H, T]: the
-    gradient of the cumulative log-decay at t, less the final state's term (added by the caller)."""
+    With DDECAY, per level and position t of the chunk the gradient of log γ_t into db [B, Lv, H, T]:
+    the sum over every path from a position s < t to one r ≥ t, which γ_t decays — pairs within
+    the chunk (P_rs = dA_rs · f(q_r)·f(k_s), a block's straddling sum), the chunk's start state
+    read at r ≥ t, keys s < t written into the end state, and the start state carried through the
+    chunk (⟨dS, γ_L S_c⟩). Each term is as small as the paths it counts, so strong decays lose
+    nothing to cancellation (the form f(q)·∂f(q) − f(k)·∂f(k) summed from the end cancels large terms)."""
     DT = v_ptr.dtype.element_ty
     SDT = tl.float32 if DT == tl.float16 else DT
     c, bh, b, h, rt, t, tmask, m2, row, off = _chunk_index(T, H, D, NC, BT, BD)
@@ -344,7 +348,7 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
     # a loop, not unrolled and not pipelined: unrolled, the levels' tiles overlap and spill
     # 72–76 B of registers in bf16 on sm_90; looped, 28–48 B (python -m fractus.bench aot)
     for l in tl.range(LV, num_stages=1):
-        gq, gk, _, M = _chunk_decays(lg_ptr, b, l, h, t, rt, L, sb, st, sl, sh, PER_POS)
+        gq, gk, gL, M = _chunk_decays(lg_ptr, b, l, h, t, rt, L, sb, st, sl, sh, PER_POS)
         om, fq, fk = _level_features(qx, kx, om_ptr, l, m2)
         n = (b * LV + l) * H + h
         hoff = n * NC + c
@@ -361,15 +365,24 @@ def _la_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_
         dnum_s, vs = dnum.to(SDT), vx.to(SDT)
         fqs, fks, dSs = _operand(fq, SDT, SDROP), _operand(fk, SDT, SDROP), _operand(dS, SDT, SDROP)
         dA = _operand((tl.dot(dnum_s, tl.trans(vs), input_precision=PREC) + dden[:, None]) * M, SDT, SDROP)
-        A = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC) * M
-        dqf = _state_dot(dnum, tl.trans(S), SDT, PREC, SDROP) + dden[:, None] * z[None, :]
-        dqf = dqf * gq[:, None] + tl.dot(dA, fks, input_precision=PREC)
-        dkf = tl.dot(vs, tl.trans(dSs), input_precision=PREC) + dz[None, :]
-        dkf = dkf * gk[:, None] + tl.dot(tl.trans(dA), fqs, input_precision=PREC)
+        QK = tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC)
+        A = QK * M
+        dqs = (_state_dot(dnum, tl.trans(S), SDT, PREC, SDROP) + dden[:, None] * z[None, :]) * gq[:, None]
+        dqf = dqs + tl.dot(dA, fks, input_precision=PREC)
+        dks = (tl.dot(vs, tl.trans(dSs), input_precision=PREC) + dz[None, :]) * gk[:, None]
+        dkf = dks + tl.dot(tl.trans(dA), fqs, input_precision=PREC)
         dvf = tl.dot(fks, dSs, input_precision=PREC) * gk[:, None]
         dvf += tl.dot(tl.trans(_operand(A, SDT, SDROP)), dnum_s, input_precision=PREC)
         if DDECAY:
-            tl.store(db_ptr + n * T + t, tl.sum(fq * dqf - fk * dkf, 1), mask=tmask)
+            P = dA.to(tl.float32) * QK  # [r, s]: the pair's share, lower-triangular
+            before = tl.cumsum(P, 1) - P  # [r, t]: Σ_{s < t} P_rs
+            within = tl.sum(tl.where(rt[:, None] >= rt[None, :], before, 0.0), 0)  # Σ_{r ≥ t}
+            read = tl.sum(fq * dqs, 1)  # the start state read at r
+            written = tl.sum(fk * dks, 1)  # key s written into the end state
+            carried = gL * (tl.sum(tl.sum(dS * S, 1), 0) + tl.sum(dz * z, 0))
+            from_end = tl.sum(read, 0) - tl.cumsum(read, 0) + read  # Σ_{r ≥ t}
+            tl.store(db_ptr + n * T + t, within + from_end + (tl.cumsum(written, 0) - written) + carried,
+                     mask=tmask)
         # d f / d x = 1 where x + ω > 0, else exp(x + ω) = f (and 0 on padding, where f = 0)
         dq += dqf * tl.where(qx + om > 0, 1.0, fq)
         dk += dkf * tl.where(kx + om > 0, 1.0, fk)
@@ -476,8 +489,8 @@ class _TritonLinearAttention(torch.autograd.Function):
     """(q, k, v [B, T, H, D] contiguous, w [Lv], S0, z0 fp32 or None, om [Lv], decay None, [H],
     [Lv, H], [B, T, H] or [B, T, Lv, H], eps, normalize: divide by the denominator, need: a backward
     will follow) -> (o [B, T, H, D], S [B, Lv, H, D, D], z [B, Lv, H, D]). The decay's gradient
-    is that of its logarithm, the reverse cumulative sum over positions of the cumulative log-decays'
-    gradients (the kernels' db, with the final state's term), divided by γ."""
+    is that of its logarithm (the kernels' db: every path each γ_t decays, see
+    ``_la_bwd_grads_kernel``), divided by γ."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, S0, z0, om, decay, eps, normalize, need):
@@ -495,8 +508,7 @@ class _TritonLinearAttention(torch.autograd.Function):
             LV=Lv, PER_POS=strides[1] > 0, NORM=normalize, STORE_Y=need, PREC=_backend.dot_precision(v),
             SDROP=state_split(v), BT=BT, BD=BD, num_warps=_PARALLEL_WARPS)
         if need:
-            ddecay = ctx.needs_input_grad[7]
-            ctx.save_for_backward(q, k, v, w, S0, z0, om, decay, y, den, *((sf, zf) if ddecay else ()))
+            ctx.save_for_backward(q, k, v, w, S0, z0, om, decay, y, den)
             ctx.eps, ctx.normalize = eps, normalize
         ctx.set_materialize_grads(False)
         return o, sf, zf
@@ -504,7 +516,7 @@ class _TritonLinearAttention(torch.autograd.Function):
     @staticmethod
     @_backend.first_order_only
     def backward(ctx, do, dsf, dzf):
-        q, k, v, w, S0, z0, om, decay, y, den, *final = ctx.saved_tensors
+        q, k, v, w, S0, z0, om, decay, y, den = ctx.saved_tensors
         eps, normalize = ctx.eps, ctx.normalize
         B, T, H, D = q.shape
         Lv = om.numel()
@@ -532,7 +544,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         dk = _backend.empty(B, T, H, D, dtype=k.dtype, device=dev)
         dv = _backend.empty(B, T, H, D, dtype=v.dtype, device=dev)
         dwp = _backend.empty(B * H, NC, Lv, dtype=torch.float32, device=dev)
-        ddecay = bool(final)
+        ddecay = ctx.needs_input_grad[7]
         db = _backend.empty(B, Lv, H, T, dtype=torch.float32, device=dev) if ddecay else dwp
         _la_bwd_grads_kernel[(NC * B * H,)](
             q, k, v, do, y, den, w, om, lg, hs, zs, dhs, dzs, dq, dk, dv, dwp, db, B, T, H, D, NC, eps, *strides,
@@ -541,17 +553,12 @@ class _TritonLinearAttention(torch.autograd.Function):
         dw = dwp.sum((0, 1)).to(w.dtype)
         if not dinit:
             ds0 = dz0 = None
-        return dq, dk, dv, dw, ds0, dz0, None, _decay_grad(decay, db, final, dsf, dzf) if ddecay else None, \
-            None, None, None
+        return dq, dk, dv, dw, ds0, dz0, None, _decay_grad(decay, db) if ddecay else None, None, None, None
 
 
-def _decay_grad(decay, db, final, dsf, dzf):
-    """d decay [B, T, H] or [B, T, Lv, H] from db [B, Lv, H, T] (the cumulative log-decays' gradients
-    less the final state's term ⟨dS_T, S_T⟩ + ⟨dz_T, z_T⟩, added here at the last position)."""
-    if dsf is not None:
-        sf, zf = final
-        db[..., -1] += (dsf * sf).sum((-1, -2)) + (dzf * zf).sum(-1)
-    dlg = db.flip(-1).cumsum(-1).flip(-1).permute(0, 3, 1, 2)  # [B, T, Lv, H]
+def _decay_grad(decay, db):
+    """d decay [B, T, H] or [B, T, Lv, H] from db [B, Lv, H, T], the gradients of log γ."""
+    dlg = db.permute(0, 3, 1, 2)  # [B, T, Lv, H]
     if decay.dim() == 3:
         dlg = dlg.sum(2)
     return (dlg / decay.float()).to(decay.dtype)
