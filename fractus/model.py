@@ -363,8 +363,20 @@ class FractusCTE(nn.Module):
         if not torch.is_tensor(token) or token.dim() != 1:
             raise ValueError(f"step takes token ids as a [B] tensor (one per row), got "
                              f"{tuple(token.shape) if torch.is_tensor(token) else type(token).__name__}")
-        logits, _, state = self.forward(token.view(-1, 1), state)
-        return logits[:, 0], state
+        idx = token.view(-1, 1)
+        if idx.shape[0] == 0:  # no rows: forward's empty logits, the empty state carried on
+            logits, _, state = self.forward(idx, state)
+            return logits[:, 0], state
+        self.check_tokens(idx)
+        if state is not None:
+            self.check_state(state, idx.shape[0])
+        # the blocks as forward runs them, without what only training reads (routing, load balance)
+        resets = idx == self.cfg.vocab_size - 1 if self.cfg.eot_reset else None
+        h, new_state = self.embed(idx), []
+        for i, block in enumerate(self.blocks):
+            h, s, _, _ = block(h, None if state is None else state[i], resets)
+            new_state.append(s)
+        return self.logits(self.ln_f(h))[:, 0], new_state
 
     @torch.no_grad()
     def tick_vec(self, vec: torch.Tensor, state: State | None):
@@ -380,25 +392,28 @@ class FractusCTE(nn.Module):
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
-                 repetition_penalty: float = 1.0, seed: int | None = None) -> list:
+                 repetition_penalty: float = 1.0, seed: int | None = None, compile: bool = False) -> list:
         """Prefill the prompts with the chunked forward, then sample tick by tick, the state carried.
 
         prompt_ids: one sequence of token ids (a list or a [T] tensor), or a batch of B of one
         length (a list of lists or a [B, T] tensor). temperature ≥ 0, 0 is greedy.
         repetition_penalty > 1 divides positive (multiplies negative) logits of tokens already in
         the context. Row i samples with seed ``seed + i`` (:func:`fractus.layers.sample_loop`).
-        Returns the max_new_tokens new ids: a list[int] for one sequence, a list of B lists for a
-        batch.
+        ``compile``: each tick through ``torch.compile`` (compiled once per batch size and device:
+        seconds on a CPU, then fewer, fused kernels a token; ``python -m fractus.bench decode``
+        measures both). Returns the max_new_tokens new ids: a list[int] for one sequence, a list
+        of B lists for a batch.
         """
         ids, batched = prompt_tensor(prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
                                      self.cfg.vocab_size, self.embed.weight.device, seed)
         was_training = self.training
         self.eval()
         logits, _, state = self.forward(ids)
+        tick = torch.compile(self.step, dynamic=False) if compile else self.step
 
         def step(tokens):
             nonlocal state
-            logits, state = self.step(tokens, state)
+            logits, state = tick(tokens, state)
             return logits
         out = sample_loop(logits[:, -1], step, ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
                           seed)

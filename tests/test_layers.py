@@ -70,6 +70,11 @@ def test_window_attention_is_softmax_over_the_last_w_positions():
         y1, cache = window_attention(q[:, :cut], k[:, :cut], v[:, :cut], None, W, resets[:, :cut])
         y2, _ = window_attention(q[:, cut:], k[:, cut:], v[:, cut:], cache, W, resets[:, cut:])
         assert_rel(torch.cat([y1, y2], 1), ref, 1e-6, f"two chunks with resets, cut at {cut}")
+    cache, ys = None, []  # decoding: one position at a time, the window's keys carried
+    for t in range(T):
+        y1, cache = window_attention(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache, W, resets[:, t:t + 1])
+        ys.append(y1)
+    assert_rel(torch.cat(ys, 1), ref, 1e-6, "one position at a time, with resets")
 
 
 def test_sampling_filters():

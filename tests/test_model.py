@@ -80,8 +80,14 @@ def test_eot_reset_starts_afresh(conv, window):
         x = torch.randint(0, 60, (2, 40))
         x[:, 25] = 60
         with torch.no_grad():
-            full, _, _ = model(x, model(torch.randint(0, 60, (2, 9)))[2])
+            before = model(torch.randint(0, 60, (2, 9)))[2]
+            full, _, _ = model(x, before)
             fresh, _, _ = model(x[:, 25:])
+            state, ticks = before, []
+            for t in range(x.shape[1]):  # decoding through the reset
+                logits, state = model.step(x[:, t], state)
+                ticks.append(logits)
+        assert_rel(torch.stack(ticks, 1), full, 1e-5, "step by step vs the chunked forward")
         if reset:
             assert_rel(full[:, 25:], fresh, 1e-5, "after the reset")
         else:
@@ -332,6 +338,22 @@ def test_generate_is_seeded_and_decodes_tick_by_tick():
         for _ in range(6):
             ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
     assert greedy == ids[3:]
+
+
+def test_a_compiled_step_generates_as_the_eager_one():
+    """``generate(compile=True)``: each tick through torch.compile, the same tokens (a batch of two
+    prompts, sampled and seeded) and logits equal to rounding."""
+    torch.manual_seed(0)
+    model = FractusCTE(FractusConfig.preset("tiny")).eval()
+    kw = dict(max_new_tokens=8, temperature=0.9, top_k=50, seed=3)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert model.generate(prompts, compile=True, **kw) == model.generate(prompts, **kw)
+    with torch.no_grad():
+        state = model(torch.tensor(prompts))[2]
+        tok = torch.tensor([9, 10])
+        eager, _ = model.step(tok, state)
+        compiled, _ = torch.compile(model.step, dynamic=False)(tok, state)
+    assert_rel(compiled, eager, 1e-5, "compiled step vs eager")
 
 
 def test_checkpoint_roundtrip_and_errors(tmp_path):

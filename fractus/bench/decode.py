@@ -8,10 +8,11 @@ full KV cache, with a sliding cache of its context (256), and with no cache (eac
 last ``context`` tokens again: :meth:`fractus.baseline.Transformer.generate`'s ``cache="none"``).
 
 - Decode: for each batch size B and context position P, the state a model holds after P tokens,
-  then the time of one more token. The CTE's state has the same size at every position, so it is
-  made once from a real 256-token prefill; the Transformer's cache holds P keys and values (the
-  sliding one min(P, context)), filled with random numbers of the right shape — reading P real
-  tokens first would cost minutes at P = 32,768 and change nothing in the time of the next token.
+  then the time of one more token; the CTE's step eager and through ``torch.compile`` (its
+  compile time, once per batch size, is a row of kind ``compile``). The CTE's state has the
+  same size at every position, so it is made once from a real 256-token prefill; the
+  Transformer's cache holds P keys and values (the sliding one min(P, context)), filled with
+  random numbers of the right shape — reading P real tokens first would cost minutes at P = 32,768 and change nothing in the time of the next token.
 - Prefill: one prompt of T tokens read in one call: the CTE's chunked forward, the Transformer's
   causal SDPA (its cost beyond its context is what a long-context transformer pays).
 
@@ -33,7 +34,7 @@ from fractus.model import PRESETS, FractusConfig, FractusCTE
 POSITIONS = (1, 16, 256, 1024, 4096, 16384, 32768)
 PREFILL = (256, 1024, 4096, 16384, 32768)
 BATCHES = (1, 16)
-MODELS = ("cte", "transformer, full cache", "transformer, sliding cache", "transformer, no cache")
+MODELS = ("cte", "cte, compiled", "transformer, full cache", "transformer, sliding cache", "transformer, no cache")
 CONTEXT = 256  # the Transformer++'s trained context (make baseline's --chunk-len)
 
 
@@ -70,16 +71,30 @@ def decoder(name: str, cte: FractusCTE, tf: Transformer, batch: int, position: i
     """(one decode step as a function of nothing, the bytes of the state it carries)."""
     dev = cte.embed.weight.device
     tok = torch.randint(0, cte.cfg.vocab_size, (batch,), device=dev)
-    if name == "cte":
+    if name.startswith("cte"):
         with torch.no_grad():
             state = cte(torch.randint(0, cte.cfg.vocab_size, (batch, 256), device=dev))[2]
-        return (lambda: cte.step(tok, state)), state_bytes(state)
+        step = compiled(cte) if name == "cte, compiled" else cte.step
+        return (lambda: step(tok, state)), state_bytes(state)
     if name == "transformer, no cache":
         window = torch.randint(0, tf.cfg.vocab_size, (batch, min(position, tf.cfg.context)), device=dev)
         return (lambda: tf(window)[0][:, -1]), 0
     kv = synthetic_cache(tf, batch, position, tf.cfg.context if "sliding" in name else None, spare=steps + 8)
     nbytes = kv.nbytes()
     return (lambda: tf.extend(tok[:, None], kv)), nbytes
+
+
+_COMPILED: dict = {}
+
+
+def compiled(cte: FractusCTE):
+    """``cte.step`` through ``torch.compile`` (as ``generate(compile=True)``), one per model: it
+    compiles on its first call for each batch size (the time ``decode_rows`` reports)."""
+    key = id(cte)
+    if key not in _COMPILED:
+        _COMPILED.clear()
+        _COMPILED[key] = torch.compile(cte.step, dynamic=False)
+    return _COMPILED[key]
 
 
 def sync(device) -> None:
@@ -93,12 +108,18 @@ def decode_rows(cte, tf, positions=POSITIONS, batches=BATCHES, models=MODELS, ro
     """Per-token decode time (ms) of each (model, B, P): ``rounds`` interleaved rounds of ``steps``
     tokens each (after one untimed token)."""
     dev = cte.embed.weight.device
-    configs = []
+    configs, rows = [], []
     for b in batches:
         for p in positions:
             for m in models:
                 step, nbytes = decoder(m, cte, tf, b, p, rounds * (steps + 1))
-                step()
+                sync(dev)
+                t0 = time.perf_counter()
+                step()  # untimed, but for a compiled step's first call: its compile time is a row
+                sync(dev)
+                if m == "cte, compiled" and p == positions[0]:
+                    rows.append({"kind": "compile", "model": m, "batch": b, "tokens": p,
+                                 "ms": 1e3 * (time.perf_counter() - t0), "threads": torch.get_num_threads()})
                 configs.append(((m, b, p, nbytes), step))
     times = {key: [] for key, _ in configs}
     for _ in range(rounds):
@@ -109,7 +130,6 @@ def decode_rows(cte, tf, positions=POSITIONS, batches=BATCHES, models=MODELS, ro
                 step()
             sync(dev)
             times[key].append((time.perf_counter() - t0) / steps)
-    rows = []
     for (m, b, p, nbytes), ts in times.items():
         med = statistics.median(ts)
         rows.append({"kind": "decode", "model": m, "batch": b, "tokens": p, "ms": 1e3 * med, "ms_min": 1e3 * min(ts),
@@ -195,11 +215,12 @@ def gpu_rows(device, smoke: bool = False) -> list[dict]:
     """The GPU suite's decode part: both measurements on ``device`` (the CTE's kernels by their
     default dispatch: Triton on CUDA), palier0's size and every position and batch; tiny sizes and
     two positions on a dry run."""
+    eager = tuple(m for m in MODELS if m != "cte, compiled")  # on CUDA the CTE's step is the decode kernel's
     if smoke:
         cte, tf = build("tiny", vocab=512)
         cte, tf = cte.to(device), tf.to(device)
-        return (decode_rows(cte, tf, positions=(1, 300), batches=(1,), rounds=1, steps=1)
+        return (decode_rows(cte, tf, positions=(1, 300), batches=(1,), models=eager, rounds=1, steps=1)
                 + prefill_rows(cte, tf, lengths=(64,), rounds=1))
     cte, tf = build()
     cte, tf = cte.to(device), tf.to(device)
-    return decode_rows(cte, tf, rounds=3) + prefill_rows(cte, tf, rounds=2)
+    return decode_rows(cte, tf, models=eager, rounds=3) + prefill_rows(cte, tf, rounds=2)

@@ -17,10 +17,12 @@ def test_rows_cover_every_model_position_and_batch(tmp_path):
     assert (tmp_path / "decode_cpu.csv").exists() and (tmp_path / "decode.png").exists()
     for b, g in dec.groupby("batch"):
         by = g.set_index(["model", "tokens"]).state_bytes
-        assert by["cte"].nunique() == 1 and by["cte"].iloc[0] > 0
+        assert by["cte"].nunique() == 1 and by["cte"].iloc[0] > 0 and (by["cte, compiled"] == by["cte"]).all()
         full, sliding = by["transformer, full cache"], by["transformer, sliding cache"]
         assert full.is_monotonic_increasing and full.loc[300] == 300 * full.loc[1]
         assert sliding.loc[300] == sliding.loc[64] * 256 / 64 < full.loc[300]  # capped at the context, 256
+    compile_s = rows[rows.kind == "compile"]  # once per batch size, at the first position
+    assert list(compile_s.batch) == [1, 2] and (compile_s.ms > 0).all()
     pre = rows[rows.kind == "prefill"]
     assert sorted(pre.model.unique()) == ["cte", "transformer"] and (pre.tokens_s > 0).all()
 

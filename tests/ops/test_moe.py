@@ -52,8 +52,9 @@ def check(backend, N, E, K, lowrank=True, r=16, route="random", tol=3e-5, d=D, F
 # ----------------------------------------------------------------------------- fast PyTorch path
 @pytest.mark.parametrize("E,K", [(4, 1), (7, 2), (16, 2), (4, 4), (7, 7)])
 @pytest.mark.parametrize("lowrank", [True, False])
-def test_torch_matches_reference(E, K, lowrank):
-    check("torch", 13, E, K, lowrank=lowrank, r=16 if E != 7 else 32)
+@pytest.mark.parametrize("N", [13, 37])  # every expert on every token (decoding's few), sorted dispatch
+def test_torch_matches_reference(N, E, K, lowrank):
+    check("torch", N, E, K, lowrank=lowrank, r=16 if E != 7 else 32)
 
 
 @pytest.mark.parametrize("N,E,K,route", [(1, 16, 2, "random"), (3, 16, 1, "random"),

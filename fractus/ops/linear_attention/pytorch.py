@@ -65,12 +65,42 @@ def _chunks(fq, fk, ve, S, lg, C, r=None):
     return y.reshape(B, N, TT, E), S
 
 
+def _one_position(q, k, v, level_weights, omegas, decay, state, eps, normalize, resets):
+    """T = 1 (decoding) as the recurrence itself, a dozen ops instead of the chunks' machinery:
+    S ← γ·S + f(k) vᵀ, z ← γ·z + f(k), y = Σ_l w_l·f_l(q)ᵀS / (f_l(q)ᵀz + ε), in fp32."""
+    B, _, H, D = q.shape
+    Lv = len(omegas)
+    om = torch.tensor(omegas, dtype=torch.float32).view(1, Lv, 1, 1).to(q.device, non_blocking=True)
+    fq = F.elu(q.float().view(B, 1, H, D) + om).add_(1.0)  # [B, Lv, H, D]
+    fk = F.elu(k.float().view(B, 1, H, D) + om).add_(1.0)
+    if state is None:
+        S, z = q.new_zeros(B, Lv, H, D, D, dtype=torch.float32), q.new_zeros(B, Lv, H, D, dtype=torch.float32)
+    else:
+        S, z = state[0].float(), state[1].float()
+    if resets is not None:  # the state starts afresh before a reset
+        keep = (~resets.view(B)).float().view(B, 1, 1, 1)
+        S, z = S * keep[..., None], z * keep
+    if decay is not None:
+        gam = level_decays(decay, B, 1, Lv, H, torch.float32, q.device).view(-1, Lv, H, 1)
+        S, z = S * gam[..., None], z * gam
+    S = torch.addcmul(S, fk[..., :, None], v.float().view(B, 1, H, 1, D))
+    z = z + fk
+    w = level_weights.float().view(1, Lv, 1, 1)
+    with torch.autocast(q.device.type, enabled=False):  # the state read in fp32, as the chunks' is
+        o = (fq[..., None, :] @ S).squeeze(-2)  # [B, Lv, H, D]
+    o = o * (w / ((fq * z).sum(-1, keepdim=True) + eps) if normalize else w)
+    return o.sum(1).view(B, 1, H, D).to(q.dtype), (S, z)
+
+
 def linear_attention_torch(q, k, v, level_weights, omegas, decay, state, eps, normalize=True, resets=None):
     """Chunked forward in fp32 with plain autograd; cost linear in T, no [B, T, D, D] tensor.
     Under autocast the matmuls within a chunk take its dtype (as the Triton kernels' dots take the
     inputs'); the state is summed, and multiplied with the queries, in fp32. fp64 inputs are
-    computed in fp32 too (and returned in fp64): the fp64 path is the reference's."""
+    computed in fp32 too (and returned in fp64): the fp64 path is the reference's. One position
+    (T = 1, decoding) takes the recurrence itself."""
     B, T, H, D = q.shape
+    if T == 1:
+        return _one_position(q, k, v, level_weights, omegas, decay, state, eps, normalize, resets)
     Lv = len(omegas)
     N = Lv * H
     fq, fk = _fold_features(q, omegas), _fold_features(k, omegas)

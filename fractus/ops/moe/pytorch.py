@@ -10,6 +10,9 @@ from fractus.ops.moe.reference import check_range, is_lowrank
 
 __all__ = ["moe_torch"]
 
+DENSE_TOKENS = 16  # up to this many tokens (decoding's) every expert reads every token: a few
+# batched matmuls instead of a sort, a host sync per expert and a loop; E/K times the FLOPs of so few
+
 
 def moe_torch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
               experts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -20,6 +23,8 @@ def moe_torch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
     ex = {k: v.to(x.dtype) for k, v in experts.items()}
     E = ex["b1"].shape[0]
     N, K = idx.shape
+    if 0 < N <= DENSE_TOKENS:
+        return _every_expert(x, idx, w.to(x.dtype), ex, lowrank)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tok = order // K
@@ -45,3 +50,19 @@ def moe_torch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
             out = (F.gelu(torch.addmm(per["b1"][e], m, per["W1"][e])) * rw) @ per["W2"][e]
         y = y.index_add_(0, toks[e], out)
     return y
+
+
+def _every_expert(x, idx, wd, ex, lowrank):
+    """Σ_k w[n,k] f_{idx[n,k]}(x_n) as Σ_e g[n,e] f_e(x_n), g the gates scattered over the experts
+    (zero where not chosen): every expert on every token, batched over the experts."""
+    flat = idx.reshape(-1)
+    lo, hi = torch.stack(torch.aminmax(flat)).tolist()
+    check_range(lo, hi, ex["b1"].shape[0])
+    g = torch.zeros(x.shape[0], ex["b1"].shape[0], dtype=x.dtype, device=x.device).scatter_add(1, idx, wd)  # [N, E]
+    if lowrank:
+        h = F.gelu(torch.baddbmm(ex["b1"][:, None], (x @ ex["V1"]) * ex["s1"][:, None, None],
+                                 ex["U1"].transpose(1, 2)))  # [E, N, F]
+        out = ((h @ ex["V2"]) * ex["s2"][:, None, None]) @ ex["U2"].transpose(1, 2)  # [E, N, d]
+    else:
+        out = F.gelu(torch.baddbmm(ex["b1"][:, None], x.expand(ex["W1"].shape[0], *x.shape), ex["W1"])) @ ex["W2"]
+    return torch.einsum("ne,end->nd", g, out) + g @ ex["b2"]

@@ -21,6 +21,18 @@ def rope_tables(T: int, D: int, device, base: float = 10000.0,
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
+_TABLES: dict = {}
+
+
+def _window_tables(n: int, D: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_tables` of the ``n`` positions a decoded query and its window span, kept: the
+    same for every token."""
+    key = (n, D, str(device), dtype)
+    if key not in _TABLES:
+        _TABLES[key] = rope_tables(n, D, device, dtype=dtype)
+    return _TABLES[key]
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [.., T, D] with each pair (x_i, x_{i+D/2}) rotated by its position's angle (cos, sin [T, D/2]),
     computed in cos's dtype, returned in x's."""
@@ -46,6 +58,8 @@ def window_attention(q, k, v, cache, window: int, resets: torch.Tensor | None = 
     kc, vc, present = cache
     keys, values = torch.cat([kc.to(k.dtype), k], 1), torch.cat([vc.to(v.dtype), v], 1)  # [B, P + T, H, D]
     seen = torch.cat([present, present.new_ones(B, T)], 1) > 0  # [B, P + T]
+    if T == 1:
+        return _one_query(q, keys, values, seen, resets)
     Q = min(window, T)
     nb = -(-T // Q)
     pad = nb * Q - T  # padded queries at the end: each still sees real keys, and is dropped
@@ -74,3 +88,16 @@ def window_attention(q, k, v, cache, window: int, resets: torch.Tensor | None = 
                                        vb.reshape(B, H * nb, Q + P, D), attn_mask=mask.reshape(B, H * nb, Q, Q + P))
     new = (keys[:, T:].float(), values[:, T:].float(), seen[:, T:].float())
     return y.reshape(B, H, nb * Q, D)[:, :, :T].transpose(1, 2), new
+
+
+def _one_query(q, keys, values, seen, resets):
+    """T = 1 (decoding): the query against the window's keys, as the blocked path reads it with
+    one block, without its padding and masks."""
+    B, W, H, D = keys.shape
+    if resets is not None:  # a reset before the query: only its own key remains
+        seen = seen & torch.cat([~resets.view(B, 1).expand(B, W - 1), resets.new_ones(B, 1)], 1)
+    cos, sin = _window_tables(W, D, q.device, torch.promote_types(q.dtype, torch.float32))
+    qr = rotate(q.transpose(1, 2), cos[W - 1:], sin[W - 1:])  # [B, H, 1, D]
+    kr = rotate(keys.transpose(1, 2), cos, sin)  # [B, H, W, D]
+    y = F.scaled_dot_product_attention(qr, kr, values.transpose(1, 2), attn_mask=seen[:, None, None, :])
+    return y.transpose(1, 2), (keys[:, 1:].float(), values[:, 1:].float(), seen[:, 1:].float())
