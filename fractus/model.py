@@ -360,17 +360,41 @@ class FractusCTE(nn.Module):
     @torch.no_grad()
     def step(self, token: torch.Tensor, state: State | None):
         """One position: token [B] → (logits [B, V], new state)."""
+        idx = self._step_input(token, state)
+        if idx.shape[0] == 0:  # no rows: forward's empty logits, the empty state carried on
+            logits, _, state = self.forward(idx, state)
+            return logits[:, 0], state
+        return self._decode(idx, state)
+
+    def compiled_step(self):
+        """:meth:`step` with its blocks through ``torch.compile`` (one graph; compiled on the first
+        call for each batch size and device: seconds on a CPU), the inputs checked as ``step``
+        checks them, outside the graph."""
+        core = torch.compile(self._decode, dynamic=False)
+
+        @torch.no_grad()
+        def step(token, state):
+            idx = self._step_input(token, state)
+            if idx.shape[0] == 0:
+                return self.step(token, state)
+            return core(idx, state)
+        return step
+
+    def _step_input(self, token, state) -> torch.Tensor:
+        """token [B] → ids [B, 1], once token and state are checked."""
         if not torch.is_tensor(token) or token.dim() != 1:
             raise ValueError(f"step takes token ids as a [B] tensor (one per row), got "
                              f"{tuple(token.shape) if torch.is_tensor(token) else type(token).__name__}")
         idx = token.view(-1, 1)
-        if idx.shape[0] == 0:  # no rows: forward's empty logits, the empty state carried on
-            logits, _, state = self.forward(idx, state)
-            return logits[:, 0], state
-        self.check_tokens(idx)
-        if state is not None:
-            self.check_state(state, idx.shape[0])
-        # the blocks as forward runs them, without what only training reads (routing, load balance)
+        if idx.shape[0]:
+            self.check_tokens(idx)
+            if state is not None:
+                self.check_state(state, idx.shape[0])
+        return idx
+
+    def _decode(self, idx, state):
+        """The blocks as forward runs them on ids [B, 1], without what only training reads (routing,
+        load balance) and without checks → (logits [B, V], new state)."""
         resets = idx == self.cfg.vocab_size - 1 if self.cfg.eot_reset else None
         h, new_state = self.embed(idx), []
         for i, block in enumerate(self.blocks):
@@ -409,7 +433,7 @@ class FractusCTE(nn.Module):
         was_training = self.training
         self.eval()
         logits, _, state = self.forward(ids)
-        tick = torch.compile(self.step, dynamic=False) if compile else self.step
+        tick = self.compiled_step() if compile else self.step
 
         def step(tokens):
             nonlocal state

@@ -352,8 +352,10 @@ def test_a_compiled_step_generates_as_the_eager_one():
         state = model(torch.tensor(prompts))[2]
         tok = torch.tensor([9, 10])
         eager, _ = model.step(tok, state)
-        compiled, _ = torch.compile(model.step, dynamic=False)(tok, state)
+        compiled, _ = model.compiled_step()(tok, state)
     assert_rel(compiled, eager, 1e-5, "compiled step vs eager")
+    with pytest.raises(ValueError, match="token ids"):  # checked outside the graph, as step checks them
+        model.compiled_step()(torch.tensor([[1]]), state)
 
 
 def test_checkpoint_roundtrip_and_errors(tmp_path):

@@ -88,12 +88,12 @@ _COMPILED: dict = {}
 
 
 def compiled(cte: FractusCTE):
-    """``cte.step`` through ``torch.compile`` (as ``generate(compile=True)``), one per model: it
-    compiles on its first call for each batch size (the time ``decode_rows`` reports)."""
+    """``cte.compiled_step()`` (as ``generate(compile=True)``), one per model: it compiles on its
+    first call for each batch size (the time ``decode_rows`` reports)."""
     key = id(cte)
     if key not in _COMPILED:
         _COMPILED.clear()
-        _COMPILED[key] = torch.compile(cte.step, dynamic=False)
+        _COMPILED[key] = cte.compiled_step()
     return _COMPILED[key]
 
 
@@ -106,13 +106,13 @@ def sync(device) -> None:
 def decode_rows(cte, tf, positions=POSITIONS, batches=BATCHES, models=MODELS, rounds: int = 5,
                 steps: int = 10) -> list[dict]:
     """Per-token decode time (ms) of each (model, B, P): ``rounds`` interleaved rounds of ``steps``
-    tokens each (after one untimed token)."""
+    tokens each, after one untimed token and one untimed round."""
     dev = cte.embed.weight.device
     configs, rows = [], []
     for b in batches:
         for p in positions:
             for m in models:
-                step, nbytes = decoder(m, cte, tf, b, p, rounds * (steps + 1))
+                step, nbytes = decoder(m, cte, tf, b, p, (rounds + 1) * (steps + 1))
                 sync(dev)
                 t0 = time.perf_counter()
                 step()  # untimed, but for a compiled step's first call: its compile time is a row
@@ -122,14 +122,15 @@ def decode_rows(cte, tf, positions=POSITIONS, batches=BATCHES, models=MODELS, ro
                                  "ms": 1e3 * (time.perf_counter() - t0), "threads": torch.get_num_threads()})
                 configs.append(((m, b, p, nbytes), step))
     times = {key: [] for key, _ in configs}
-    for _ in range(rounds):
+    for r in range(rounds + 1):  # round 0 untimed: every configuration's memory touched once
         for key, step in configs:
             sync(dev)
             t0 = time.perf_counter()
             for _ in range(steps):
                 step()
             sync(dev)
-            times[key].append((time.perf_counter() - t0) / steps)
+            if r:
+                times[key].append((time.perf_counter() - t0) / steps)
     for (m, b, p, nbytes), ts in times.items():
         med = statistics.median(ts)
         rows.append({"kind": "decode", "model": m, "batch": b, "tokens": p, "ms": 1e3 * med, "ms_min": 1e3 * min(ts),
