@@ -68,20 +68,27 @@ def synthetic_cache(tf: Transformer, batch: int, position: int, window: int | No
 
 
 def decoder(name: str, cte: FractusCTE, tf: Transformer, batch: int, position: int, steps: int):
-    """(one decode step as a function of nothing, the bytes of the state it carries)."""
+    """(one decode step as a function of nothing, the bytes of the state it carries, a function that
+    puts the state back at ``position``: the cache's room holds ``steps`` tokens between two)."""
     dev = cte.embed.weight.device
     tok = torch.randint(0, cte.cfg.vocab_size, (batch,), device=dev)
-    if name.startswith("cte"):
+    if name.startswith("cte"):  # the state is read, not replaced: every step at the same position
         with torch.no_grad():
             state = cte(torch.randint(0, cte.cfg.vocab_size, (batch, 256), device=dev))[2]
         step = compiled(cte) if name == "cte, compiled" else cte.step
-        return (lambda: step(tok, state)), state_bytes(state)
+        return (lambda: step(tok, state)), state_bytes(state), lambda: None
     if name == "transformer, no cache":
         window = torch.randint(0, tf.cfg.vocab_size, (batch, min(position, tf.cfg.context)), device=dev)
-        return (lambda: tf(window)[0][:, -1]), 0
+        return (lambda: tf(window)[0][:, -1]), 0, lambda: None
     kv = synthetic_cache(tf, batch, position, tf.cfg.context if "sliding" in name else None, spare=steps + 8)
     nbytes = kv.nbytes()
-    return (lambda: tf.extend(tok[:, None], kv)), nbytes
+    at = [(layer.length, layer.start) for layer in kv.layers]
+
+    def rewind():
+        for layer, (length, start) in zip(kv.layers, at):
+            layer.length, layer.start = length, start
+        kv.position = position
+    return (lambda: tf.extend(tok[:, None], kv)), nbytes, rewind
 
 
 _COMPILED: dict = {}
@@ -104,15 +111,17 @@ def sync(device) -> None:
 
 @torch.no_grad()
 def decode_rows(cte, tf, positions=POSITIONS, batches=BATCHES, models=MODELS, rounds: int = 5,
-                steps: int = 10) -> list[dict]:
-    """Per-token decode time (ms) of each (model, B, P): ``rounds`` interleaved rounds of ``steps``
-    tokens each, after one untimed token and one untimed round."""
+                steps: int = 10, min_ms: float = 100.0, max_steps: int = 200) -> list[dict]:
+    """Per-token decode time (ms) of each (model, B, P): ``rounds`` interleaved rounds, in each
+    round every configuration decoding tokens in a row — at least ``steps``, and more until
+    ``min_ms`` have passed (at most ``max_steps``), as generation does —, its state put back at P
+    before each round; after one untimed token and one untimed round."""
     dev = cte.embed.weight.device
     configs, rows = [], []
     for b in batches:
         for p in positions:
             for m in models:
-                step, nbytes = decoder(m, cte, tf, b, p, (rounds + 1) * (steps + 1))
+                step, nbytes, rewind = decoder(m, cte, tf, b, p, max(steps, max_steps) + 1)
                 sync(dev)
                 t0 = time.perf_counter()
                 step()  # untimed, but for a compiled step's first call: its compile time is a row
@@ -120,17 +129,19 @@ def decode_rows(cte, tf, positions=POSITIONS, batches=BATCHES, models=MODELS, ro
                 if m == "cte, compiled" and p == positions[0]:
                     rows.append({"kind": "compile", "model": m, "batch": b, "tokens": p,
                                  "ms": 1e3 * (time.perf_counter() - t0), "threads": torch.get_num_threads()})
-                configs.append(((m, b, p, nbytes), step))
-    times = {key: [] for key, _ in configs}
+                configs.append(((m, b, p, nbytes), step, rewind))
+    times = {key: [] for key, _, _ in configs}
     for r in range(rounds + 1):  # round 0 untimed: every configuration's memory touched once
-        for key, step in configs:
+        for key, step, rewind in configs:
+            rewind()
             sync(dev)
-            t0 = time.perf_counter()
-            for _ in range(steps):
+            t0, n = time.perf_counter(), 0
+            while n < steps or (n < max_steps and time.perf_counter() - t0 < min_ms / 1e3):
                 step()
-            sync(dev)
+                n += 1
+                sync(dev)
             if r:
-                times[key].append((time.perf_counter() - t0) / steps)
+                times[key].append((time.perf_counter() - t0) / n)
     for (m, b, p, nbytes), ts in times.items():
         med = statistics.median(ts)
         rows.append({"kind": "decode", "model": m, "batch": b, "tokens": p, "ms": 1e3 * med, "ms_min": 1e3 * min(ts),
@@ -202,7 +213,7 @@ def run(out, smoke: bool = False) -> list[dict]:
     from fractus.training.records import write_csv
     if smoke:
         cte, tf = build("tiny", vocab=512)
-        rows = (decode_rows(cte, tf, positions=(1, 64, 300), batches=(1, 2), rounds=2, steps=2)
+        rows = (decode_rows(cte, tf, positions=(1, 64, 300), batches=(1, 2), rounds=2, steps=2, min_ms=10)
                 + prefill_rows(cte, tf, lengths=(64, 300), rounds=1))
     else:
         cte, tf = build()
@@ -220,7 +231,7 @@ def gpu_rows(device, smoke: bool = False) -> list[dict]:
     if smoke:
         cte, tf = build("tiny", vocab=512)
         cte, tf = cte.to(device), tf.to(device)
-        return (decode_rows(cte, tf, positions=(1, 300), batches=(1,), models=eager, rounds=1, steps=1)
+        return (decode_rows(cte, tf, positions=(1, 300), batches=(1,), models=eager, rounds=1, steps=1, min_ms=0)
                 + prefill_rows(cte, tf, lengths=(64,), rounds=1))
     cte, tf = build()
     cte, tf = cte.to(device), tf.to(device)
