@@ -117,7 +117,7 @@ def decode_rows(cte, tf, positions=POSITIONS, batches=BATCHES, models=MODELS, ro
     ``min_ms`` have passed (at most ``max_steps``), as generation does —, its state put back at P
     before each round; after one untimed token and one untimed round."""
     dev = cte.embed.weight.device
-    configs, rows = [], []
+    configs, compiles = [], []
     for b in batches:
         for p in positions:
             for m in models:
@@ -127,8 +127,10 @@ def decode_rows(cte, tf, positions=POSITIONS, batches=BATCHES, models=MODELS, ro
                 step()  # untimed, but for a compiled step's first call: its compile time is a row
                 sync(dev)
                 if m == "cte, compiled" and p == positions[0]:
-                    rows.append({"kind": "compile", "model": m, "batch": b, "tokens": p,
-                                 "ms": 1e3 * (time.perf_counter() - t0), "threads": torch.get_num_threads()})
+                    ms = 1e3 * (time.perf_counter() - t0)
+                    compiles.append({"kind": "compile", "model": m, "batch": b, "tokens": p, "ms": ms, "ms_min": ms,
+                                     "ms_max": ms, "tokens_s": float("nan"), "state_bytes": 0, "rounds": 1,
+                                     "threads": torch.get_num_threads()})
                 configs.append(((m, b, p, nbytes), step, rewind))
     times = {key: [] for key, _, _ in configs}
     for r in range(rounds + 1):  # round 0 untimed: every configuration's memory touched once
@@ -142,12 +144,13 @@ def decode_rows(cte, tf, positions=POSITIONS, batches=BATCHES, models=MODELS, ro
                 sync(dev)
             if r:
                 times[key].append((time.perf_counter() - t0) / n)
+    rows = []
     for (m, b, p, nbytes), ts in times.items():
         med = statistics.median(ts)
         rows.append({"kind": "decode", "model": m, "batch": b, "tokens": p, "ms": 1e3 * med, "ms_min": 1e3 * min(ts),
                      "ms_max": 1e3 * max(ts), "tokens_s": b / med, "state_bytes": nbytes, "rounds": rounds,
                      "threads": torch.get_num_threads()})
-    return rows
+    return rows + compiles
 
 
 @torch.no_grad()
