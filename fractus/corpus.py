@@ -21,11 +21,14 @@ the corpus.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import itertools
 import json
 import multiprocessing as mp
+import sys
+import types
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -200,20 +203,22 @@ def _start_worker(vocab_size: int) -> None:
 
 
 def _encode(texts: list[str]) -> tuple[np.ndarray, list[int], list[int]]:
-    """(ids of every text, each followed by EOT, as one int64 array; each text's token count; each
-    text's UTF-8 bytes)."""
+    """(ids of every text, each followed by EOT, as one array of the token files' type — uint16 for
+    a vocabulary of up to 65,536, a quarter of int64's bytes to send back; each text's token count;
+    each text's UTF-8 bytes)."""
     eot = _ENCODER.eot_token
+    dtype = np.uint16 if _ENCODER.n_vocab <= 65536 else np.uint32
     ids, lengths = [], []
     for text in texts:
         n = 0
         for piece in pieces(text):
             p = _ENCODER.encode_ordinary(piece)
-            ids.append(np.asarray(p, dtype=np.int64))
+            ids.append(np.asarray(p, dtype=dtype))
             n += len(p)
-        ids.append(np.asarray([eot], dtype=np.int64))
+        ids.append(np.asarray([eot], dtype=dtype))
         lengths.append(n + 1)
     n_bytes = [len(t.encode("utf-8")) for t in texts]
-    return np.concatenate(ids) if ids else np.zeros(0, np.int64), lengths, n_bytes
+    return np.concatenate(ids) if ids else np.zeros(0, dtype), lengths, n_bytes
 
 
 def _batches(docs, batch_bytes: int) -> Iterator[tuple[list[str], list]]:
@@ -227,6 +232,23 @@ def _batches(docs, batch_bytes: int) -> Iterator[tuple[list[str], list]]:
             texts, tags, size = [], [], 0
     if texts:
         yield texts, tags
+
+
+@contextlib.contextmanager
+def _worker_pool(workers: int, vocab_size: int):
+    """A pool of ``workers`` spawned processes that import this module and the tokenizer only. A
+    spawned process imports the parent's main module first (for ``python -m fractus.data``:
+    ``fractus.data``, and torch with it, ~300 MB a worker); the workers are started while
+    ``__main__`` is a bare module, which they then have nothing to import for (the work they run is
+    this module's)."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        pool = mp.get_context("spawn").Pool(workers, initializer=_start_worker, initargs=(vocab_size,))
+    finally:
+        sys.modules["__main__"] = main
+    with pool:
+        yield pool
 
 
 def encoded_batches(docs, vocab_size: int, workers: int = 1, batch_bytes: int = BATCH_BYTES) -> Iterator[tuple]:
@@ -243,8 +265,7 @@ def encoded_batches(docs, vocab_size: int, workers: int = 1, batch_bytes: int = 
             if batch is not None:
                 yield (*_encode(batch[0]), batch[1])
         return
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer=_start_worker, initargs=(vocab_size,)) as pool:
+    with _worker_pool(workers, vocab_size) as pool:
         pending = []
         for texts, tags in itertools.chain([first, second], batches):
             pending.append((pool.apply_async(_encode, (texts,)), tags))

@@ -9,7 +9,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import tiktoken
-import torch
 
 EOT = "<|endoftext|>"
 MAX_VOCAB = 100257
@@ -32,7 +31,8 @@ def get_tokenizer(vocab_size: int = 8192) -> tiktoken.Encoding:
                              mergeable_ranks=ranks, special_tokens={EOT: vocab_size - 1})
 
 
-def token_byte_lengths(enc: tiktoken.Encoding) -> torch.Tensor:
-    """[V] int64: UTF-8 bytes each token stands for (EOT counts 0), for bits per byte."""
+def token_byte_lengths(enc: tiktoken.Encoding):
+    """[V] int64 tensor: UTF-8 bytes each token stands for (EOT counts 0), for bits per byte."""
+    import torch  # here: the tokenizer alone (a prepare worker's) needs no torch
     lens = [len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab - 1)]
     return torch.tensor(lens + [0], dtype=torch.int64)

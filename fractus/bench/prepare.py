@@ -5,7 +5,8 @@ The corpus is generated here, never downloaded (:func:`write_corpus`): JSON Line
 from the 38 built-in plays — each document a run of 20 to 400 consecutive lines of one play, the
 play, start and length drawn from a seeded generator — until the file holds ``gigabytes`` of text.
 Each measurement runs in a fresh process (its peak resident memory is its own, read from
-``getrusage``: the process's and, for the pool, its children's largest), one after the other:
+``/proc``'s ``VmHWM``: the process's and, for the pool, its largest worker's, sampled while it
+runs), one after the other:
 
 - ``tiktoken``: ``encode_ordinary_batch`` over the documents' texts, 1 MB of text a call, on
   ``threads`` threads (the Rust encoder's own parallelism), reading the same file;
@@ -21,7 +22,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -75,13 +75,53 @@ def _prepare(path: str, vocab: int, workers: int) -> dict:
             "tokens": meta["train"]["tokens"] + meta["val"]["tokens"], "seconds": seconds}
 
 
+def peak_mb(pid: int | str = "self") -> float:
+    """A process's peak resident memory (MB) since it started its program: ``VmHWM``. Not
+    ``getrusage``'s ``ru_maxrss``: Linux counts in it the memory the process had before its
+    ``exec`` — a copy of its parent's, at the fork — so a small worker of a large parent reads large."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class WorkerPeaks:
+    """Samples this process's live children's ``VmHWM`` every ``every`` seconds, keeping each one's
+    last reading (a worker's peak until it exits) — the workers' own peaks, as :func:`peak_mb`."""
+
+    def __init__(self, every: float = 0.2):
+        import threading
+        self.every, self.peaks, self._stop = every, {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import multiprocessing as mp
+        while not self._stop.is_set():
+            for p in mp.active_children():
+                try:
+                    self.peaks[p.pid] = peak_mb(p.pid)
+                except (OSError, ValueError):  # exited between the listing and the reading
+                    pass
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def measure_one(method: str, path: str, vocab: int, n: int) -> dict:
     """One measurement in this process: the counts, the seconds and the peak resident memory (MB)
-    of this process and of its largest worker; ``peak_rss_mb`` bounds the total from above (this
-    process plus ``n`` workers at the largest one's peak; tiktoken's threads are in this process)."""
-    r = (_tiktoken if method == "tiktoken" else _prepare)(path, vocab, n)
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if method == "prepare" and n > 1 else 0.0
+    of this process and of its largest worker (:func:`peak_mb`); ``peak_rss_mb`` bounds the total
+    from above (this process plus ``n`` workers at the largest one's peak; tiktoken's threads are
+    in this process)."""
+    with WorkerPeaks() as workers:
+        r = (_tiktoken if method == "tiktoken" else _prepare)(path, vocab, n)
+    own = peak_mb()
+    worker = max(workers.peaks.values(), default=0.0)
     return {**r, "peak_rss_main_mb": own, "peak_rss_worker_mb": worker,
             "peak_rss_mb": own + (n * worker if worker else 0.0)}
 
