@@ -55,7 +55,7 @@ def _configs():
 
 # The parallel kernels have no loop to pipeline and hold many [BT, BD] fp32 tiles: compiled ahead
 # of time for sm_90 (python -m fractus.bench aot), 4 warps spill registers in bf16 and fp32; 8 warps
-# spill at most 100 bytes in bf16 at the chunk lengths the model takes (results/aot_sm90.csv), so
+# spill at most 116 bytes in bf16 at the chunk lengths the model takes (results/aot_sm90.csv), so
 # they launch with 8 warps, untuned.
 _PARALLEL_WARPS = 8
 
