@@ -11,7 +11,10 @@ from fractus.ops.moe.reference import check_range, is_lowrank
 __all__ = ["moe_torch"]
 
 DENSE_TOKENS = 16  # up to this many tokens (decoding's) every expert reads every token: a few
-# batched matmuls instead of a sort, a host sync per expert and a loop; E/K times the FLOPs of so few
+# batched matmuls instead of a sort, a host sync per expert and a loop, for E/K times the FLOPs of so
+# few tokens — when that is at most DENSE_EXPERTS_PER_SLOT (palier0/1's 4 and 8 experts of top-2; not
+# 1b's 128, where the sorted path's few experts cost less than every expert's matmuls)
+DENSE_EXPERTS_PER_SLOT = 4
 
 
 def moe_torch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
@@ -23,7 +26,7 @@ def moe_torch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
     ex = {k: v.to(x.dtype) for k, v in experts.items()}
     E = ex["b1"].shape[0]
     N, K = idx.shape
-    if 0 < N <= DENSE_TOKENS:
+    if 0 < N <= DENSE_TOKENS and E <= DENSE_EXPERTS_PER_SLOT * K:
         return _every_expert(x, idx, w.to(x.dtype), ex, lowrank)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
