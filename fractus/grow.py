@@ -43,8 +43,14 @@ Method (width d → d' = d + Δ, c = √(d'/d)):
   every expert's mean probability towards 1/E', raises the new biases until the new experts
   are routed to and trained. New experts' phases are taken from the Farey phases of E' experts,
   farthest from the phases already in use first.
-* Depth: new blocks, interleaved evenly between the old ones, have zero attention out
-  projections and zero expert U2/W2 and b2: they add nothing, and their gradients are not zero.
+* Depth (``depth="interleave"``, the default): new blocks, interleaved evenly between the old
+  ones, have zero attention out projections and zero expert U2/W2 and b2: they add nothing, and
+  their gradients are not zero.
+* Depth by stacking (``depth="stack"``, G_stack of Du et al., "Stacking Your Transformers", 2024):
+  block j of the target is old block j mod L, each copy grown in width as above — the trained
+  stack repeated rather than blocks that add nothing. The logits are then not preserved (each
+  copy adds its update again); what it gives up in function it may gain in learning speed, and
+  the growth experiment (:mod:`fractus.experiments.growth`) measures it against the default.
 
 Not preserved: the load-balance term lb = E·Σ_e (P_e − 1/E)² depends on E by definition and new
 blocks add their own, so the training loss ce + lb_coef·lb moves by lb_coef·Δlb; the logits and
@@ -275,11 +281,17 @@ def _silence(block) -> None:
         block.moe.shared[2].bias.zero_()
 
 
+DEPTHS = ("interleave", "stack")  # how new blocks are made (the module's docstring)
+
+
 @torch.no_grad()
-def grow(model_or_ckpt: FractusCTE | str | Path, target_cfg: FractusConfig) -> FractusCTE:
+def grow(model_or_ckpt: FractusCTE | str | Path, target_cfg: FractusConfig, depth: str = "interleave") -> FractusCTE:
     """A ``target_cfg`` model computing the same logits as the given model or checkpoint file
-    (see the module docstring for the construction). Random parts come from torch's global RNG;
-    the result is on the source model's device, in training mode."""
+    (see the module docstring for the construction; with ``depth="stack"`` the same logits only
+    where the depth does not grow). Random parts come from torch's global RNG; the result is on
+    the source model's device, in training mode."""
+    if depth not in DEPTHS:
+        raise ValueError(f"depth {depth!r} is not one of {DEPTHS}")
     old = model_or_ckpt if isinstance(model_or_ckpt, torch.nn.Module) else FractusCTE.load(model_or_ckpt)
     old = getattr(old, "_orig_mod", old)
     check_finite(old.state_dict(), model_or_ckpt if isinstance(model_or_ckpt, (str, Path)) else "the model to grow")
@@ -297,7 +309,9 @@ def grow(model_or_ckpt: FractusCTE | str | Path, target_cfg: FractusConfig) -> F
     L, L2 = src.n_layers, cfg.n_layers
     kept = [i * L2 // L for i in range(L)]
     for j, block in enumerate(new.blocks):
-        if j in kept:
+        if depth == "stack":
+            _grow_block(block, old.blocks[j % L], src, cfg, c)
+        elif j in kept:
             _grow_block(block, old.blocks[kept.index(j)], src, cfg, c)
         else:
             _silence(block)

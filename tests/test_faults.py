@@ -233,7 +233,7 @@ def test_seeds_and_token_counts_that_cannot_make_a_run(corpus, run, tmp_path, ca
 
 @pytest.mark.parametrize("command", ["fractus.train", "fractus.data prepare", "fractus.evaluate", "fractus.sample",
                                      "fractus.merge", "fractus.training.records", "fractus.vision train", "fractus.bench gpu",
-                                     "fractus.experiments.compare sweep", "fractus.experiments.growth measure"])
+                                     "fractus.experiments.compare sweep", "fractus.experiments.growth search"])
 def test_every_command_prints_its_help(command):
     """``--help`` prints the usage and exits 0: argparse formats each help text with %, so a bare
     "5 % of" in one would be a traceback instead."""

@@ -138,3 +138,26 @@ def test_grow_from_checkpoint_file(tmp_path):
     old.save(tmp_path / "a.pt")
     new = grow(tmp_path / "a.pt", FractusConfig.preset("tiny", vocab_size=97, d_model=64, n_heads=4))
     check_same_function(old, new)
+
+
+def test_stacked_growth_repeats_the_trained_blocks():
+    """depth="stack" (G_stack): block j of the target is old block j mod L — in depth alone, every
+    weight equal; with no new depth it is the interleaved growth itself (the same logits)."""
+    c = scaled("palier1")
+    old = trained_like(FractusConfig.from_saved({**c.to_dict(), "n_layers": 2}))
+    deeper = FractusConfig.from_saved({**old.cfg.to_dict(), "n_layers": 5})
+    stack = grow(old, deeper, depth="stack")
+    for j, block in enumerate(stack.blocks):
+        twin = old.blocks[j % 2].state_dict()
+        assert all(torch.equal(w, twin[name]) for name, w in block.state_dict().items()), f"block {j}"
+    for n in ("embed.weight", "ln_f.weight", "ln_f.bias"):
+        assert torch.equal(stack.state_dict()[n], old.state_dict()[n])
+    wider = FractusConfig.from_saved({**scaled("palier2").to_dict(), "n_layers": 2})
+    torch.manual_seed(0)
+    a = grow(old, wider, depth="stack")
+    torch.manual_seed(0)
+    b = grow(old, wider)
+    assert all(torch.equal(w, b.state_dict()[n]) for n, w in a.state_dict().items())
+    check_same_function(old, a)
+    with pytest.raises(ValueError, match="depth 'copy'"):
+        grow(old, wider, depth="copy")

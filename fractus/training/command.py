@@ -23,6 +23,8 @@ def train(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.schedule is not None:  # '' too: parse_schedule refuses it
         return run_schedule(args)
+    if args.stage_lr != "restart":
+        raise ValueError("--stage-lr sets how a --schedule's stages share the rate: give a --schedule")
     with contextlib.ExitStack() as held:  # the run directory's lock (rank 0), released however the run ends
         return run(args, held)
 

@@ -166,11 +166,13 @@ def set_up(args: argparse.Namespace) -> Run:
     if args.model == "transformer":
         model = Transformer(cfg)
     else:
-        model = grow(args.grow_from, cfg) if args.grow_from and not args.resume else FractusCTE(cfg)
+        model = grow(args.grow_from, cfg, args.grow_depth) if args.grow_from and not args.resume else FractusCTE(cfg)
     model = model.to(device)
     opt = make_optimizer(model, args.optimizer, settings["lr"], args.weight_decay)
     warmup = warmup_steps(args.warmup, total_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total_steps, args.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total_steps, args.min_lr_ratio, args.lr_shape,
+                                                             args.decay_fraction, args.lr_offset, args.lr_span,
+                                                             args.lr_decay_start))
     return Run(args, rank, world, device, meta, streams, val_tok, cfg, settings, total_steps, model, opt, sched)
 
 

@@ -14,7 +14,8 @@ from fractus.baseline import TransformerConfig
 from fractus.cli import device_name, natural, non_negative, number, positive_int, seed_number
 from fractus.model import PRESETS, FractusConfig
 from fractus.ops.common import BACKENDS
-from fractus.training.optim import ADAMW_LR, DEFAULT_LR, WARMUP_FRACTION
+from fractus.grow import DEPTHS
+from fractus.training.optim import ADAMW_LR, DECAY_FRACTION, DEFAULT_LR, LR_SHAPES, WARMUP_FRACTION
 from fractus.training.resume import SAMPLING
 
 DESCRIPTION = """Train a Fractus CTE or the Transformer++ on prepared tokens: ``python -m fractus.train --preset palier0 --data DIR --tokens N --out DIR``.
@@ -40,6 +41,7 @@ gradients are all-reduced once per optimizer step, on its last micro-step).
 # factor the optimizers derive from them (lr · weight decay, AdamW's lr / (1 − β1)) fits in float32,
 # which torch converts them to (beyond it: an overflow error inside the optimizer's step).
 MAX_RATE = 1e6
+STAGE_LR = ("restart", "continue")  # --stage-lr
 rate = number(float, lambda x: 0 <= x <= MAX_RATE, f"≥ 0 and ≤ {MAX_RATE:g}")
 
 
@@ -75,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
       help=f"linear warm-up, in optimizer steps (default: {WARMUP_FRACTION * 100:g} %% of the run's steps)")
     a("--min-lr-ratio", type=number(float, lambda x: 0 <= x <= 1, "≥ 0 and ≤ 1"), default=0.1,
       help="cosine decay floor, as a fraction of --lr")
+    a("--lr-shape", choices=LR_SHAPES, default="cosine",
+      help="the rate after the warm-up: cosine (down to --min-lr-ratio at the last step) or wsd "
+           "(warmup-stable-decay: the peak, then linearly down to --min-lr-ratio over the last --decay-fraction)")
+    a("--decay-fraction", type=number(float, lambda x: 0 < x <= 1, "> 0 and ≤ 1"), default=DECAY_FRACTION,
+      help="wsd: the final fraction of the steps (after the warm-up) over which the rate decays")
     a("--grad-clip", type=non_negative, default=1.0, help="gradient norm clip (0 = none)")
     a("--lb-coef", type=float, default=None, help="load-balance coefficient (default: config's)")
     a("--active-blocks", type=natural, default=0, help="PGSU: blocks that get weight gradients per step (0 = all)")
@@ -94,14 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
            "with a time limit; continue with --resume)")
     a("--grow-from", metavar="CKPT",
       help="start from CKPT's model grown to the preset (fresh optimizer; ignored with --resume)")
+    a("--grow-depth", choices=DEPTHS, default="interleave",
+      help="--grow-from's new blocks: interleave (blocks that add nothing, between the old ones: the same "
+           "logits) or stack (the trained blocks repeated, G_stack; the logits change)")
     a("--schedule", metavar="PRESET:TOKENS,…",
       help="progressive growth in one run: train each stage's preset for its tokens, then grow into the next "
-           "(e.g. palier0:3M,palier1:6M; a stage may add :lr=LR and :warmup=STEPS); replaces --preset and "
-           "--tokens; stages in OUT/<i>-<preset>, one record in OUT/metrics.csv (fractus.training.schedule)")
+           "(e.g. palier0:3M,palier1:6M; a stage may add :lr=LR, :warmup=STEPS and :depth=stack); replaces "
+           "--preset and --tokens; stages in OUT/<i>-<preset>, one record in OUT/metrics.csv "
+           "(fractus.training.schedule)")
+    a("--stage-lr", choices=STAGE_LR, default="restart",
+      help="--schedule: each stage's rate on a curve of its own (restart) or every stage on one curve over the "
+           "whole schedule (continue), each grown stage ramping up to it over its warm-up")
     a("--sample-tokens", type=natural, default=40, help="tokens generated per prompt at the end (0 = none)")
     a("--seed", type=seed_number, default=1337)
     a("--threads", type=natural, default=0, help="torch CPU threads (0 = torch's default)")
     a("--no-progress", action="store_true", help="no tqdm bar")
+    # where a schedule's stage reads the schedule's one rate curve (--stage-lr continue): set by
+    # fractus.training.schedule, not on the command line (lr_lambda's offset, span, decay_start)
+    ap.set_defaults(lr_offset=0, lr_span=None, lr_decay_start=None)
     return ap
 
 

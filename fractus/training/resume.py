@@ -21,14 +21,14 @@ import torch
 
 from fractus.checkpoint import CheckpointError, describe
 from fractus.model import FractusConfig
-from fractus.training.optim import DEFAULT_LR, default_lr
+from fractus.training.optim import DECAY_FRACTION, DEFAULT_LR, default_lr
 
 SAMPLING = ("streams", "windows")  # how the trainer reads the training split (fractus.data)
 
 # Arguments that must match when resuming: those that shape the run. The model's config is
 # compared as resolved (--set's overrides on the preset), except the backend.
 RESUME_KEYS = ("model", "preset", "data", "batch_size", "chunk_len", "sampling", "accum", "optimizer", "seed", "lr",
-               "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "lb_coef", "head_positions",
+               "weight_decay", "warmup", "min_lr_ratio", "lr_shape", "decay_fraction", "grad_clip", "lb_coef", "head_positions",
                "detach_kuramoto", "active_blocks", "bf16")
 
 
@@ -43,6 +43,9 @@ def run_settings(args: dict) -> dict:
     d["sampling"] = d["sampling"] or ("windows" if d["model"] == "transformer" else "streams")
     d["lb_coef"] = FractusConfig.lb_coef if d["lb_coef"] is None else d["lb_coef"]
     d["bf16"] = torch.device(args["device"]).type == "cuda" if d["bf16"] is None else d["bf16"]
+    # a checkpoint from before the rate's shapes: a cosine of its own
+    d["lr_shape"] = d["lr_shape"] or "cosine"
+    d["decay_fraction"] = DECAY_FRACTION if d["decay_fraction"] is None else d["decay_fraction"]
     return d
 
 

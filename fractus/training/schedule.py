@@ -1,12 +1,18 @@
 """Progressive growth as one run: ``python -m fractus.train --schedule palier0:3M,palier1:6M …``.
 
-A schedule is a list of stages ``PRESET:TOKENS[:lr=LR][:warmup=STEPS]``; each stage trains its
-preset for TOKENS tokens (K, M, G suffixes) in its own run directory ``OUT/<i>-<preset>``, and each
-stage after the first starts from the previous stage's final checkpoint grown to its preset
-(:mod:`fractus.grow`: the same logits) with a fresh optimizer. Every other flag applies to every
-stage. A grown stage's default warm-up is :data:`GROWN_WARMUP` steps rather than the first stage's
+A schedule is a list of stages ``PRESET:TOKENS[:lr=LR][:warmup=STEPS][:depth=DEPTH]``; each stage
+trains its preset for TOKENS tokens (K, M, G suffixes) in its own run directory ``OUT/<i>-<preset>``,
+and each stage after the first starts from the previous stage's final checkpoint grown to its
+preset (:mod:`fractus.grow`; ``depth=interleave``, the default, keeps the logits, ``depth=stack``
+repeats the trained blocks) with a fresh optimizer. Every other flag applies to every stage. A
+grown stage's default warm-up is :data:`GROWN_WARMUP` steps rather than the first stage's
 ``--warmup``: its weights are trained already, and only the fresh optimizer's moment estimates need
 a few steps to settle; its learning rate defaults to ``--lr`` (the model's tuned rate).
+
+The rate: with ``--stage-lr restart`` (the default) each stage runs its own curve (``--lr-shape``
+over its own steps, from its warm-up); with ``--stage-lr continue`` the stages share one curve over
+the whole schedule's steps, which the first stage's warm-up starts, and each stage reads it where
+it stands (its peak rate times the curve's value), a grown stage ramping up to it over its warm-up.
 
 ``OUT/metrics.csv`` is the one record of the whole schedule: every stage's rows with a ``stage``
 and a ``preset`` column, ``tokens`` and ``flops`` counted from the schedule's start (training
@@ -30,10 +36,11 @@ import torch
 
 from fractus.atomic import atomic_open
 from fractus.data import load_meta
-from fractus.grow import check_growable
+from fractus.grow import DEPTHS, check_growable
 from fractus.model import FractusCTE
 from fractus.training.loop import run
 from fractus.cli import natural
+from fractus.training.optim import warmup_steps
 from fractus.training.options import make_config, rate
 from fractus.training.runs import (METRIC_FIELDS, clear_unstarted, planned_steps, read_metrics,
                                   remove_leftover_temps, run_lock)
@@ -49,25 +56,27 @@ class Stage:
     tokens: int
     lr: float | None = None  # None: --lr (the model's tuned rate)
     warmup: int | None = None  # None: --warmup for the first stage, GROWN_WARMUP after
+    depth: str | None = None  # how this stage grows from the one before (fractus.grow.DEPTHS); None: interleave
 
 
 def parse_schedule(text: str) -> list[Stage]:
-    """``PRESET:TOKENS[:lr=LR][:warmup=STEPS],…`` → stages; ValueError naming a bad stage. A stage's
-    rate passes the checks ``--lr`` does (finite, 0 … :data:`fractus.training.options.MAX_RATE`)
-    and each option is given at most once."""
-    types = {"lr": rate, "warmup": natural}
+    """``PRESET:TOKENS[:lr=LR][:warmup=STEPS][:depth=DEPTH],…`` → stages; ValueError naming a bad
+    stage. A stage's rate passes the checks ``--lr`` does (finite, 0 …
+    :data:`fractus.training.options.MAX_RATE`), a depth is one of :data:`fractus.grow.DEPTHS` and
+    not the first stage's, and each option is given at most once."""
+    types = {"lr": rate, "warmup": natural, "depth": depth_kind}
     stages = []
     for part in text.split(","):
         fields = part.strip().split(":")
         m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG]?)", fields[1].strip().upper()) if len(fields) >= 2 else None
         if not m or not fields[0]:
-            raise ValueError(f"--schedule: stage {part!r} must read PRESET:TOKENS[:lr=LR][:warmup=STEPS], "
-                             f"e.g. palier0:3M")
+            raise ValueError(f"--schedule: stage {part!r} must read PRESET:TOKENS[:lr=LR][:warmup=STEPS]"
+                             f"[:depth=DEPTH], e.g. palier0:3M")
         opts = {}
         for opt in fields[2:]:
             key, _, value = opt.partition("=")
             if key not in types:
-                raise ValueError(f"--schedule: stage {part!r}: {opt!r} is not lr=LR or warmup=STEPS")
+                raise ValueError(f"--schedule: stage {part!r}: {opt!r} is not lr=LR, warmup=STEPS or depth=DEPTH")
             if key in opts:
                 raise ValueError(f"--schedule: stage {part!r} gives {key} twice")
             try:
@@ -77,8 +86,16 @@ def parse_schedule(text: str) -> list[Stage]:
         tokens = int(float(m.group(1)) * SUFFIX[m.group(2)])
         if tokens < 1:
             raise ValueError(f"--schedule: stage {part!r} needs tokens ≥ 1")
-        stages.append(Stage(fields[0], tokens, opts.get("lr"), opts.get("warmup")))
+        if "depth" in opts and not stages:
+            raise ValueError(f"--schedule: stage {part!r} is the first: it grows from nothing, so it takes no depth")
+        stages.append(Stage(fields[0], tokens, opts.get("lr"), opts.get("warmup"), opts.get("depth")))
     return stages
+
+
+def depth_kind(text: str) -> str:
+    if text not in DEPTHS:
+        raise ValueError(f"must be one of {', '.join(DEPTHS)}")
+    return text
 
 
 def stage_args(args: argparse.Namespace, stages: list[Stage], i: int) -> argparse.Namespace:
@@ -89,7 +106,12 @@ def stage_args(args: argparse.Namespace, stages: list[Stage], i: int) -> argpars
     a.lr = s.lr if s.lr is not None else args.lr
     a.warmup = s.warmup if s.warmup is not None else (args.warmup if i == 0 else GROWN_WARMUP)
     a.grow_from = str(stage_dir(out, stages, i - 1) / "ckpt.pt") if i else args.grow_from
+    a.grow_depth = (s.depth or "interleave") if i else args.grow_depth
     a.resume = (Path(a.out) / "ckpt.pt").exists()
+    if args.stage_lr == "continue":  # this stage's part of the schedule's one curve
+        steps = [planned_steps({**vars(args), "tokens": t.tokens}, 1) for t in stages]
+        a.lr_offset, a.lr_span = sum(steps[:i]), sum(steps)
+        a.lr_decay_start = warmup_steps(args.warmup, steps[0]) if stages[0].warmup is None else stages[0].warmup
     return a
 
 
@@ -144,7 +166,8 @@ def write_record(out: Path, stages: list[Stage], models_active: list[int]) -> No
 
 def saved_schedule(path: Path) -> dict:
     """The schedule ``path`` (``OUT/schedule.json``) records; ValueError naming it when it is not
-    one (unparsable, or not {"schedule": [stages]})."""
+    one (unparsable, or not {"schedule": [stages], …}). A record without a stage's depth or the
+    ``--stage-lr`` reads as the defaults."""
     try:
         saved = json.loads(path.read_text())
         if not (isinstance(saved, dict) and isinstance(saved.get("schedule"), list)
@@ -153,6 +176,9 @@ def saved_schedule(path: Path) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is damaged ({e}): it cannot say which schedule --resume continues; "
                          "start the schedule again in another --out") from None
+    saved.setdefault("stage_lr", "restart")
+    for s in saved["schedule"]:
+        s.setdefault("depth", None)
     return saved
 
 
@@ -162,7 +188,7 @@ def run_schedule(args: argparse.Namespace) -> dict:
     stages = parse_schedule(args.schedule)
     out = Path(args.out)
     active = check_schedule(args, stages)
-    plan = {"schedule": [vars(s) for s in stages]}
+    plan = {"schedule": [vars(s) for s in stages], "stage_lr": args.stage_lr}
     with run_lock(out):
         remove_leftover_temps([out / "metrics.csv", out / "schedule.json"])
         if args.resume:
@@ -170,7 +196,7 @@ def run_schedule(args: argparse.Namespace) -> dict:
                 raise FileNotFoundError(f"--resume: no schedule.json in {out}")
             saved = saved_schedule(out / "schedule.json")
             if saved != plan:
-                raise ValueError(f"--resume with another schedule than {out}'s: {saved['schedule']} vs {plan['schedule']}")
+                raise ValueError(f"--resume with another schedule than {out}'s: {saved} vs {plan}")
         elif (out / "schedule.json").exists():
             raise FileExistsError(f"{out / 'schedule.json'} exists: pass --resume to continue that schedule, or "
                                   "choose another --out")

@@ -35,7 +35,7 @@ def test_a_csv_of_other_columns_is_refused_by_name(tmp_path, capsys):
             read(growth_csv)
     compare_csv = tmp_path / "compare.csv"
     append_csv(compare_csv, {c: 1 for c in C.COLUMNS})
-    with pytest.raises(ValueError, match="not a results CSV of the growth experiment: it lacks the column.*path"):
+    with pytest.raises(ValueError, match="not a results CSV of the growth experiment: it lacks the column.*config"):
         G.read_rows(compare_csv)
     binary = tmp_path / "binary.csv"
     binary.write_bytes(b"\xff\xfe\x00garbage\n\x00\x01")
@@ -46,7 +46,7 @@ def test_a_csv_of_other_columns_is_refused_by_name(tmp_path, capsys):
     for main, argv in ((C.main, ["seeds", "--data", str(tmp_path), "--csv", str(growth_csv)]),
                        (C.main, ["sweep", "--data", str(tmp_path), "--csv", str(growth_csv),
                                  "--runs", str(tmp_path / "runs")]),
-                       (G.main, ["measure", "--data", str(tmp_path), "--csv", str(compare_csv)]),
+                       (G.main, ["search", "--data", str(tmp_path), "--csv", str(compare_csv)]),
                        (G.main, ["sweep", "--data", str(tmp_path), "--csv", str(compare_csv),
                                  "--runs", str(tmp_path / "runs")]),
                        (M.main, ["recall", "--csv", str(growth_csv)])):
@@ -96,7 +96,7 @@ DRIVER = {  # a runner as its command runs it, on tiny models that train until t
     "growth": """
         from fractus.experiments import growth as G, runner
         reading = ["--batch-size", "2", "--chunk-len", "16", "--accum", "1", "--preset", "tiny"]
-        jobs = [("scratch", "tiny:100M", 1e-3, 0), ("scratch", "tiny:100M", 2e-3, 0)]
+        jobs = [G.Job("scratch", "scratch", "tiny:100M", lr, 0) for lr in (1e-3, 2e-3)]
         runner.main(lambda: G.run(jobs, "{data}", "{tmp}/g.csv", "{tmp}/runs", eval_every=10 ** 6, threads=1,
                                   reading=reading))
     """,

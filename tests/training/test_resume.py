@@ -241,7 +241,8 @@ CHANGED = {"model": ["--model", "transformer"], "preset": ["--preset", "palier0"
            "optimizer": ["--optimizer", "sgd"],
            "seed": ["--seed", "3"], "lr": ["--lr", "1e-4"],
            "weight_decay": ["--weight-decay", "0.5"], "warmup": ["--warmup", "7"],
-           "min_lr_ratio": ["--min-lr-ratio", "0.5"], "grad_clip": ["--grad-clip", "0.5"],
+           "min_lr_ratio": ["--min-lr-ratio", "0.5"], "lr_shape": ["--lr-shape", "wsd"],
+           "decay_fraction": ["--decay-fraction", "0.5"], "grad_clip": ["--grad-clip", "0.5"],
            "lb_coef": ["--lb-coef", "0.1"], "head_positions": ["--head-positions", "last"],
            "detach_kuramoto": ["--detach-kuramoto"], "active_blocks": ["--active-blocks", "1"],
            "bf16": ["--bf16"]}  # on the CPU: the default is off

@@ -13,6 +13,8 @@ from util import make_corpus, popen, wait_for_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SCHEDULE = "tiny:320,tiny:640:lr=0.001"  # 10 then 20 steps of 32 tokens
+# one warmup-stable-decay curve over both stages, the second grown by stacking the trained blocks
+ONE_CURVE = ("tiny:320,tiny:640:depth=stack", "--stage-lr", "continue", "--lr-shape", "wsd")
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +42,12 @@ def reference(data, tmp_path_factory):
 
 
 def test_parse_schedule():
-    assert parse_schedule("palier0:3M,palier1:1.5G:lr=1e-3:warmup=5") == [
-        Stage("palier0", 3_000_000), Stage("palier1", 1_500_000_000, 1e-3, 5)]
+    assert parse_schedule("palier0:3M,palier1:1.5G:lr=1e-3:warmup=5:depth=stack") == [
+        Stage("palier0", 3_000_000), Stage("palier1", 1_500_000_000, 1e-3, 5, "stack")]
     for bad in ("palier0", "palier0:x", "palier0:3M:lr=a", "palier0:3M:beta=1", ":3M", "palier0:0", "",
                 "palier0:3M:lr=nan", "palier0:3M:lr=inf", "palier0:3M:lr=1e39", "palier0:3M:lr=-1",
-                "palier0:3M:warmup=-1", "palier0:3M:lr=1e-3:lr=2e-3"):
+                "palier0:3M:warmup=-1", "palier0:3M:lr=1e-3:lr=2e-3", "palier0:3M,palier1:3M:depth=copy",
+                "palier0:3M:depth=stack,palier1:3M"):
         with pytest.raises(ValueError, match="--schedule"):
             parse_schedule(bad)
     with pytest.raises(ValueError, match="gives lr twice"):
@@ -64,18 +67,40 @@ def test_one_record_across_stages(reference):
     assert ck["args"]["grow_from"] == str(out / "0-tiny" / "ckpt.pt")
 
 
-@pytest.mark.parametrize("stage, rows", [("0-tiny", 7), ("1-tiny", 7)])
-def test_kill9_in_any_stage_then_resume_equals_uninterrupted(data, reference, tmp_path, stage, rows):
+@pytest.fixture(scope="module")
+def one_curve(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("schedule") / "run"
+    train(argv(data, out, *ONE_CURVE[1:], schedule=ONE_CURVE[0]))
+    return out, record(out)
+
+
+def test_stages_on_one_curve(one_curve):
+    """``--stage-lr continue --lr-shape wsd``: 30 steps on one curve, its decay over the last 6
+    (the first stage's warm-up: 5 % of 10 steps, none): the first stage ends at the peak, the
+    second ramps up to it over its 10 warm-up steps, holds it and ends at the floor."""
+    _, rows = one_curve
+    lr = [float(r["lr"]) for r in rows]
+    peak = 6e-3
+    # a row holds the rate after its step: the next step's (stage 1's step k: (k + 1) / 10 of the curve)
+    assert lr[:10] == [peak] * 10 and lr[18:24] == [peak] * 6
+    assert lr[10:18] == pytest.approx([peak * (k + 1) / 10 for k in range(1, 9)])
+    assert lr[-1] == pytest.approx(0.1 * peak) and lr[24] < peak
+
+
+@pytest.mark.parametrize("stage, rows, options", [("0-tiny", 7, ()), ("1-tiny", 7, ()), ("1-tiny", 7, ONE_CURVE)])
+def test_kill9_in_any_stage_then_resume_equals_uninterrupted(data, request, tmp_path, stage, rows, options):
+    expected = request.getfixturevalue("one_curve" if options else "reference")[1]
+    extra = dict(schedule=options[0]) if options else {}
     out = tmp_path / "run"
-    proc = popen(argv(data, out))
+    proc = popen(argv(data, out, *options[1:], **extra))
     try:
         wait_for_rows(proc, out / stage, rows)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    train(argv(data, out, "--resume"))
-    assert record(out) == reference[1]
+    train(argv(data, out, "--resume", *options[1:], **extra))
+    assert record(out) == expected
 
 
 def test_ctrl_c_stops_a_schedule_with_exit_code_130(data, tmp_path):
@@ -105,8 +130,14 @@ def test_refusals(data, reference, tmp_path, capsys):
         assert e.value.code == 2 and message in err, err
     refused(argv(data, out), "schedule.json exists: pass --resume")
     refused(argv(data, out, "--resume", schedule="tiny:320,tiny:960"), "--resume with another schedule")
+    refused(argv(data, out, "--resume", "--stage-lr", "continue"), "--resume with another schedule")
+    refused(argv(data, out, "--resume", schedule="tiny:320,tiny:640:lr=0.001:depth=stack"),
+            "--resume with another schedule")
     refused(argv(data, tmp_path / "a", schedule="palier1:320,palier0:320"), "cannot grow into stage 1")
     refused(argv(data, tmp_path / "b", "--model", "transformer"), "growth is not defined for --model transformer")
+    single = argv(data, tmp_path / "c", "--stage-lr", "continue")[2:]  # no --schedule
+    refused(single + ["--tokens", "320"], "--stage-lr sets how a --schedule's stages share the rate")
+    assert not (tmp_path / "c").exists()
 
 
 def test_bad_stage_options_are_refused_before_anything_is_written(data, tmp_path, capsys):
