@@ -312,6 +312,7 @@ def jump(data, csv_path: Path, runs: Path, lr: float, seed: int = 0, settings: d
         out0 = run_dir(runs, base)
         train_path(base, data, runs, eval_every, threads, reading)
         ckpt = out0 / f"0-{presets[0]}" / "ckpt.pt"
+        tokens = parse_schedule(f"{presets[1]}:{target}")[0].tokens  # "4M" → 4,000,000
         done = set(runner.read_results(csv_path, JUMP_COLUMNS, "the growth jump")["config"])
         for name, (rate, warmup, depth) in settings.items():
             if name in done:
@@ -319,7 +320,7 @@ def jump(data, csv_path: Path, runs: Path, lr: float, seed: int = 0, settings: d
                 continue
             out = Path(runs) / f"jump-{re.sub(r'[^A-Za-z0-9.]+', '_', name)}-seed{seed}"
             shutil.rmtree(out, ignore_errors=True)  # a stopped setting starts again: minutes
-            argv = ["--grow-from", str(ckpt), "--grow-depth", depth, "--preset", presets[1], "--tokens", target,
+            argv = ["--grow-from", str(ckpt), "--grow-depth", depth, "--preset", presets[1], "--tokens", str(tokens),
                     "--data", str(data), "--out", str(out), "--lr", repr(rate * lr), "--warmup", str(warmup),
                     "--seed", str(seed), "--threads", str(threads), "--eval-every", "0", "--ckpt-every", "0",
                     "--sample-tokens", "0", "--no-progress", *reading]

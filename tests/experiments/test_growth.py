@@ -63,7 +63,7 @@ def test_jump_validates_the_grown_model_from_its_first_step(tmp_path):
     csv, runs = tmp_path / "jump.csv", tmp_path / "runs"
     settings = {"a": (1.0, 2, "interleave"), "b": (0.5, 2, "stack")}
     rows = G.jump(data, csv, runs, 1e-3, settings=settings, steps=(1, 3), eval_every=2, threads=1,
-                  log=lambda *_: None, reading=READING, small="128", target="256", presets=("tiny", "tiny"))
+                  log=lambda *_: None, reading=READING, small="128", target="0.256K", presets=("tiny", "tiny"))
     assert set(G.JUMP_COLUMNS) <= set(rows.columns) and len(rows) == 6
     small = pd.read_csv(G.run_dir(runs, G.Job("tiny alone", "grown", f"tiny:128:lr={G.SMALL_LR:g}", 1e-3, 0))
                         / "metrics.csv")["val_ce"].dropna().iloc[-1]
