@@ -9,14 +9,18 @@ Three measurements, each for the CTE models and the Transformer++ (notebook ``08
   state carried through each stream;
 - multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): :func:`mqar` writes
   sequences of key–value pairs followed by queries of the keys; :func:`train_recall` trains a model
-  on them and scores its accuracy on held-out sequences at the queried positions only.
+  on them and scores its accuracy on held-out sequences at the queried positions only;
+  :func:`recall_grid` is the experiment (command ``grid``): the rate swept on seed 0 until each
+  swept model's best is bracketed, every model from three seeds at its rate, the swept ones wider.
 
 Shapes: B sequences, T positions, V vocabulary.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +30,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from fractus.atomic import atomic_open
 from fractus.baseline import Transformer, TransformerConfig
-from fractus.cli import number, positive_int, seed_number
+from fractus.cli import natural, number, positive_int, seed_number
 from fractus.data import TokenStreams
 from fractus.model import FractusConfig, FractusCTE
 from fractus.experiments import runner
@@ -172,7 +177,7 @@ RECALL_BY_NAME = {m.name: m for m in RECALL_MODELS}
 # then scored on each setting of a grid: pairs D at T = 256, lengths T at D = 16 (T = 512 and 1,024
 # are longer than any training sequence), and the settings that separate a fixed-size state from
 # attention: 64 and 128 pairs at T = 512 and 1,024 (128 pairs need 384 positions: not at T = 256).
-# The vocabulary holds 511 keys, so 128 distinct keys fit.
+# The vocabulary holds 255 keys (and 256 values), so 128 distinct keys fit.
 TRAIN_MIX = ((64, 4), (128, 8), (256, 16))
 TEST_GRID = ((256, 4), (256, 8), (256, 16), (256, 32), (256, 64), (64, 16), (128, 16), (512, 16), (1024, 16),
              (512, 64), (1024, 64), (512, 128), (1024, 128))
@@ -193,7 +198,7 @@ class RecallRun:
 def train_recall(recall_model: RecallModel, lr: float, seed: int, d_model: int = 64, n_layers: int = 2,
                  vocab: int = VOCAB, steps: int = STEPS, batch: int = 32, n_test: int = 500,
                  mix=TRAIN_MIX, tests=TEST_GRID, curve_points: int = CURVE_POINTS,
-                 n_probe: int = PROBE_SEQUENCES) -> RecallRun:
+                 n_probe: int = PROBE_SEQUENCES, resume: str | Path | None = None) -> RecallRun:
     """Train ``recall_model`` on fresh MQAR batches (``steps`` AdamW steps of ``batch`` sequences, the
     settings of ``mix`` taking turns; warm-up then cosine) and score it on ``n_test`` held-out
     sequences of each (seq_len, pairs) of ``tests``: the fraction of queried values predicted exactly
@@ -202,15 +207,33 @@ def train_recall(recall_model: RecallModel, lr: float, seed: int, d_model: int =
     over the last quarter of training and ``settled`` whether that is within the convergence rule's
     tolerance (:mod:`fractus.experiments.convergence`). A row per test setting carries the model's
     name, the rate, the seed, the accuracy, whether the setting was trained on, the last training CE
-    and the training seconds (the curve's evaluations excluded)."""
+    and the training seconds (the curve's evaluations excluded).
+
+    With ``resume`` (a file), the run's state is saved there (atomically) at each point of its
+    curve, and a run stopped part-way continues from its last point: exactly, as each batch is drawn
+    from its step's seed. The file is removed once the rows are scored; a file of another setting is
+    a ValueError."""
+    setting = json.dumps({"model": recall_model.name, "lr": lr, "seed": seed, "d_model": d_model,
+                          "n_layers": n_layers, "vocab": vocab, "steps": steps, "batch": batch, "mix": mix,
+                          "curve_points": curve_points, "n_probe": n_probe}, sort_keys=True)
     torch.manual_seed(seed)
     model = recall_model.build(d_model, n_layers, vocab, max(t for t, _ in (*mix, *tests)))
     opt = make_optimizer(model, "adamw", lr, 0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, steps // 10), steps, 0.1))
     points = sorted({max(1, round(steps * (i + 1) / curve_points)) for i in range(curve_points)})
     probe_len, probe_pairs = mix[-1]
-    train_s, losses, curve = 0.0, [], []
-    for step in range(steps):
+    start, train_s, losses, curve = 0, 0.0, [], []
+    if resume is not None and Path(resume).exists():
+        saved = torch.load(resume, weights_only=True)
+        if saved["setting"] != setting:
+            raise ValueError(f"{resume} holds the resume point of another recall run ({saved['setting']}); "
+                             "remove it or give another runs folder")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+        start, train_s, losses, curve = saved["step"], saved["train_s"], saved["losses"], saved["curve"]
+    for step in range(start, steps):
         t0 = time.perf_counter()
         seq_len, pairs = mix[step % len(mix)]
         x, y = mqar(batch, seq_len, pairs, vocab, seed=1_000_003 * seed + step + 1)
@@ -226,6 +249,12 @@ def train_recall(recall_model: RecallModel, lr: float, seed: int, d_model: int =
             since = len(losses) - (curve[-1]["step"] if curve else 0)
             curve.append({"step": step + 1, "train_ce": float(np.mean(losses[-since:])),
                           "probe_accuracy": recall_accuracy(model, probe_len, probe_pairs, vocab, n_probe, seed=1)})
+            if resume is not None and step + 1 < steps:
+                with atomic_open(resume, "wb") as f:
+                    torch.save({"setting": setting, "step": step + 1, "model": model.state_dict(),
+                                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                "rng": torch.get_rng_state(), "train_s": train_s, "losses": losses,
+                                "curve": curve}, f)
     change = change_over_last([c["step"] for c in curve], [c["probe_accuracy"] for c in curve])
     run = {"model": recall_model.name, "d_model": d_model, "n_layers": n_layers, "vocab": vocab, "lr": lr,
            "seed": seed, "steps": steps, "batch": batch, "train_ce": float(np.mean(losses[-len(mix):])),
@@ -234,6 +263,8 @@ def train_recall(recall_model: RecallModel, lr: float, seed: int, d_model: int =
     rows = [{**run, "seq_len": t, "pairs": d, "trained_on": (t, d) in mix,
              "accuracy": recall_accuracy(model, t, d, vocab, n_test)} for t, d in tests]
     key = {k: run[k] for k in RECALL_KEY}
+    if resume is not None:
+        Path(resume).unlink(missing_ok=True)
     return RecallRun(rows, [{**key, **c} for c in curve])
 
 
@@ -294,14 +325,22 @@ def curves_path(csv) -> Path:
     return csv.with_name(stem + csv.suffix)
 
 
+def resume_path(runs, name: str, lr: float, seed: int, kw: dict) -> Path:
+    """The resume point of a recall run in the folder ``runs``: one file per model, rate, seed,
+    width, vocabulary and budget (``default_+_delta_rule-lr0.01-seed0-d64-v512-6000.pt``)."""
+    slug = re.sub(r"[^A-Za-z0-9.]+", "_", name).strip("_")
+    return Path(runs) / f"{slug}-lr{lr:g}-seed{seed}-d{kw['d_model']}-v{kw['vocab']}-{kw['steps']}.pt"
+
+
 def run_recall(jobs: list[tuple], csv, curves_csv=None, workers: int = 2, log=print, max_steps: int | None = None,
-               **kw) -> pd.DataFrame:
+               runs=None, **kw) -> pd.DataFrame:
     """Train each (model name, lr, seed) of ``jobs`` until its learning curve has settled: at
     ``steps``, then at twice the steps while the run has not settled, up to ``max_steps`` (default:
     ``steps``, one budget). ``workers`` processes of one thread at a time; each run's rows (one per
     test setting) are appended to ``csv`` whole, with their provenance, as it finishes — its curve
     to ``curves_csv`` (default: ``csv``'s name with ``_curves``) just before —, so an interrupted
-    grid resumes. Returns ``csv``'s rows."""
+    grid resumes. With a folder ``runs``, a run also saves its resume point there at each point of
+    its curve (:func:`resume_path`), and one stopped part-way continues from it. Returns ``csv``'s rows."""
     kw = {"d_model": 64, "steps": STEPS, "vocab": VOCAB, **kw}
     steps = kw.pop("steps")
     max_steps = max(steps, max_steps or steps)
@@ -313,7 +352,13 @@ def run_recall(jobs: list[tuple], csv, curves_csv=None, workers: int = 2, log=pr
         return pending_budget(budgets.get((job[0], float(job[1]), int(job[2]), kw["d_model"], kw["vocab"]), {}),
                               steps, max_steps)
 
-    with runner.held(csv), runner.Workers(workers) as pool:
+    def submit(job, budget):
+        args = {**kw, "steps": budget}
+        if runs is not None:
+            args["resume"] = resume_path(runs, *job, args)
+        pool.submit(job, _recall_job, *job, args)
+
+    with runner.held(csv, runs), runner.Workers(workers) as pool:
         budgets = recall_budgets(csv)
         runner.read_results(curves_csv, (*RECALL_KEY, "step", "probe_accuracy"), "the recall curves")
         todo = [(j, next_for(j)) for j in jobs]
@@ -321,7 +366,7 @@ def run_recall(jobs: list[tuple], csv, curves_csv=None, workers: int = 2, log=pr
         if len(todo) < len(jobs):
             log(f"{len(jobs) - len(todo)} of {len(jobs)} recall runs kept from {csv}")
         for j, b in todo:
-            pool.submit(j, _recall_job, *j, {**kw, "steps": b})
+            submit(j, b)
         for job, run in pool.done():
             # the curve first, then the rows that mark the run done: a run stopped between the two is
             # trained again, and its curve replaces the one written before
@@ -336,7 +381,7 @@ def run_recall(jobs: list[tuple], csv, curves_csv=None, workers: int = 2, log=pr
                 + f" ({r['train_s']:.0f} s)")
             budget = next_for(job)
             if budget is not None:
-                pool.submit(job, _recall_job, *job, {**kw, "steps": budget})
+                submit(job, budget)
     return read_recall(csv)
 
 
@@ -346,6 +391,79 @@ def settled_reading(rows: pd.DataFrame) -> pd.DataFrame:
     group = ["model", "lr", "seed", "d_model", "vocab"]
     last = rows.groupby(group)["steps"].transform("max")
     return rows[rows["steps"] == last]
+
+
+SWEEP_RATES = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # half-decade steps
+SWEEP_START = (1e-2, 3e-2)
+
+
+def sweep_score(rows: pd.DataFrame) -> pd.Series:
+    """A rate's score in the sweep: the mean accuracy over every setting of the grid, of the run at
+    its last budget, by rate (``rows``: one model's rows, one seed)."""
+    return settled_reading(rows).groupby("lr")["accuracy"].mean()
+
+
+def next_rate(scores: dict, rates=SWEEP_RATES, start=SWEEP_START) -> float | None:
+    """The rate a sweep tries next, given the ``scores`` ({rate: score}) of those tried: the two of
+    ``start`` first, then the untried neighbour on ``rates``' grid of the best so far (the lower one
+    first), until the best has a tried neighbour on each side (or the grid's end): None then. So
+    the sweep stops once its best is bracketed by two worse rates, without the far ends."""
+    scores = {r: v for r, v in scores.items() if r in rates}
+    for r in start:
+        if r not in scores:
+            return r
+    best = rates.index(max(scores, key=lambda r: (scores[r], -r)))  # a tie goes to the lower rate
+    for i in (best - 1, best + 1):
+        if 0 <= i < len(rates) and rates[i] not in scores:
+            return rates[i]
+    return None
+
+
+def swept_rate(rows: pd.DataFrame, rates=SWEEP_RATES) -> float:
+    """The sweep's best rate for one model's seed-0 ``rows`` (:func:`sweep_score`)."""
+    scores = sweep_score(rows[rows["lr"].isin(rates)])
+    return float(max(scores.index, key=lambda r: (scores[r], -r)))
+
+
+SWEPT = ("default", "default + delta rule", "transformer + short conv")  # the models whose rate is swept
+KIN = {"transformer": "transformer + short conv"}  # a model not swept trains at its kin's rate, else the default's
+
+
+def sweep(models, csv, rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
+    """Sweep each of ``models``' rate on seed 0 (:func:`next_rate`), training the runs not yet in
+    ``csv`` (:func:`run_recall`, ``kw``); returns {model: its best rate} (:func:`swept_rate`)."""
+    width, vocab = kw.get("d_model", 64), kw.get("vocab", VOCAB)
+
+    def tried(rows, m):
+        return rows[(rows["model"] == m) & (rows["seed"] == 0) & (rows["d_model"] == width) & (rows["vocab"] == vocab)]
+    while True:
+        rows = read_recall(csv)
+        todo = [(m, r, 0) for m in models
+                if (r := next_rate(sweep_score(tried(rows, m)).to_dict(), rates, start)) is not None]
+        if not todo:
+            return {m: swept_rate(tried(rows, m), rates) for m in models}
+        run_recall(todo, csv, **kw)
+
+
+def recall_grid(csv, models=tuple(RECALL_BY_NAME), seeds=(0, 1, 2), wide: int | None = 128, swept=SWEPT,
+                rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
+    """The recall experiment: the rate of each model of ``swept`` swept on seed 0 (:func:`sweep`),
+    then every model of ``models`` from ``seeds`` at its rate (its own if swept, else its kin's
+    (:data:`KIN`) or the default's), the swept ones first; then the swept ones at width ``wide``
+    (None: not) at the rate swept at the first width. Trains what ``csv`` lacks (``kw``: :func:`run_recall`'s);
+    returns {model: rate}."""
+    swept = [m for m in swept if m in models]
+    best = sweep(swept, csv, rates, start, **kw)
+    unswept = {m: KIN.get(m, "default") for m in models if m not in best}
+    if set(unswept.values()) - set(best):
+        raise ValueError(f"{sorted(unswept)} train at the rate of {sorted(set(unswept.values()) - set(best))}: "
+                         "sweep those too")
+    best |= {m: best[kin] for m, kin in unswept.items()}
+    order = swept + [m for m in models if m not in swept]
+    run_recall([(m, best[m], s) for m in order for s in seeds], csv, **kw)
+    if wide:
+        run_recall([(m, best[m], s) for m in swept for s in seeds], csv, **{**kw, "d_model": wide})
+    return best
 
 
 def main(argv=None) -> None:
@@ -359,16 +477,29 @@ def main(argv=None) -> None:
     r.add_argument("--steps", type=positive_int, default=STEPS, help="the first budget")
     r.add_argument("--max-steps", type=positive_int, default=MAX_STEPS, help="the ceiling of the doubled budgets")
     r.add_argument("--d-model", type=positive_int, default=64)
-    r.add_argument("--workers", type=positive_int, default=1, help="processes of one thread each")
-    r.add_argument("--csv", default="results/recall_cpu.csv")
+    g = sub.add_parser("grid", help="the whole experiment: each swept model's rate bracketed on seed 0, every "
+                                    "model from each seed at its rate, the swept ones wider")
+    g.add_argument("--models", nargs="+", default=list(RECALL_BY_NAME), help=f"from {list(RECALL_BY_NAME)}")
+    g.add_argument("--seeds", nargs="+", type=seed_number, default=[0, 1, 2])
+    g.add_argument("--wide", type=natural, default=128,
+                   help="the width the swept models are trained at too (0: none)")
+    for cmd in (r, g):
+        cmd.add_argument("--workers", type=positive_int, default=1, help="processes of one thread each")
+        cmd.add_argument("--csv", default="results/recall_cpu.csv")
+        cmd.add_argument("--runs", default="runs/recall", help="the runs' resume points (a stopped run continues)")
     a = ap.parse_args(argv)
     unknown = [m for m in a.models if m not in RECALL_BY_NAME]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; the models: {list(RECALL_BY_NAME)}")
-    jobs = [(m, lr, s) for m in a.models for lr in a.lrs for s in a.seeds]
-    runner.main(lambda: run_recall(jobs, a.csv, workers=a.workers, steps=a.steps, max_steps=a.max_steps,
-                                   d_model=a.d_model),
-                interrupted="interrupted: finished runs are in the CSV; a stopped one starts again")
+    if a.command == "grid":
+        body = lambda: recall_grid(a.csv, a.models, a.seeds, a.wide or None, workers=a.workers, runs=a.runs,
+                                   log=lambda s: print(s, flush=True))
+    else:
+        jobs = [(m, lr, s) for m in a.models for lr in a.lrs for s in a.seeds]
+        body = lambda: run_recall(jobs, a.csv, workers=a.workers, steps=a.steps, max_steps=a.max_steps,
+                                  d_model=a.d_model, runs=a.runs)
+    runner.main(body, interrupted="interrupted: finished runs are in the CSV; a stopped one continues from its "
+                                  "last resume point")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ def test_the_recall_grid_trains_until_settled_and_keeps_finished_runs(tmp_path):
     kw = dict(d_model=32, steps=4, vocab=32, batch=8, n_test=50, mix=((12, 2), (16, 3)), tests=((16, 3), (24, 4)),
               curve_points=4, n_probe=20)
     jobs = [("transformer", 3e-3, 0), ("default", 3e-3, 0)]
-    rows = M.run_recall(jobs, csv, workers=1, log=log.append, max_steps=8, **kw)
+    rows = M.run_recall(jobs, csv, workers=1, log=log.append, max_steps=8, runs=tmp_path / "runs", **kw)
+    assert not list((tmp_path / "runs").glob("*.pt"))  # each finished run's resume point removed
     assert rows["git_sha"].notna().all() and set(rows["model"]) == {"default", "transformer"}
     assert list(rows["trained_on"][:2]) == [True, False]  # a row per test setting, in the mix or not
     budgets = M.recall_budgets(csv)  # a run that had not settled at 4 steps trained again at 8, then stopped
@@ -100,6 +101,68 @@ def test_the_recall_grid_trains_until_settled_and_keeps_finished_runs(tmp_path):
     again = M.run_recall(jobs, csv, workers=1, log=log.append, max_steps=8, **kw)
     assert len(again) == len(rows) and log[-1] == f"2 of 2 recall runs kept from {csv}"
     assert M.pending_budget({4: False, 8: False}, 4, 16) == 16 and M.pending_budget({4: True}, 4, 16) is None
+
+
+def test_a_stopped_recall_run_continues_exactly_from_its_resume_point(tmp_path, monkeypatch):
+    kw = dict(d_model=32, steps=12, vocab=32, batch=8, n_test=50, mix=((12, 2), (16, 3)), tests=((16, 3), (24, 4)),
+              curve_points=4, n_probe=20)
+    model, resume = M.RECALL_BY_NAME["default"], tmp_path / "run.pt"
+    whole = M.train_recall(model, 3e-3, 0, **kw)
+    scored, calls = M.recall_accuracy, []
+
+    def stopped_at_the_third_point(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return scored(*args, **kwargs)
+
+    monkeypatch.setattr(M, "recall_accuracy", stopped_at_the_third_point)
+    with pytest.raises(KeyboardInterrupt):
+        M.train_recall(model, 3e-3, 0, resume=resume, **kw)
+    assert torch.load(resume, weights_only=True)["step"] == 6  # the points at steps 3 and 6 were saved
+    monkeypatch.setattr(M, "recall_accuracy", scored)
+    resumed = M.train_recall(model, 3e-3, 0, resume=resume, **kw)
+    assert not resume.exists()  # removed once the run is scored
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "train_s"} for r in rows]
+    assert drop(resumed.rows) == drop(whole.rows) and resumed.curve == whole.curve
+    M.train_recall(model, 3e-3, 0, resume=resume, **{**kw, "steps": 8})  # removed again when it ends
+    torch.save({"setting": "another run"}, resume)
+    with pytest.raises(ValueError, match="another recall run"):
+        M.train_recall(model, 3e-3, 0, resume=resume, **kw)
+    assert M.resume_path(tmp_path, "default + delta rule", 1e-2, 0, {"d_model": 64, "vocab": 512, "steps": 6000}) \
+        == tmp_path / "default_delta_rule-lr0.01-seed0-d64-v512-6000.pt"
+
+
+def test_the_rate_sweep_stops_once_its_best_is_bracketed():
+    assert M.next_rate({}) == 1e-2 and M.next_rate({1e-2: 0.5}) == 3e-2
+    assert M.next_rate({1e-2: 0.5, 3e-2: 0.6}) == 1e-1  # the best's untried neighbour
+    assert M.next_rate({1e-2: 0.5, 3e-2: 0.6, 1e-1: 0.4}) is None  # bracketed by two worse rates
+    assert M.next_rate({1e-2: 0.6, 3e-2: 0.5}) == 3e-3
+    assert M.next_rate({1e-2: 0.6, 3e-2: 0.5, 3e-3: 0.55}) is None
+    assert M.next_rate({3e-3: 0.7, 1e-2: 0.6, 3e-2: 0.5}) == 1e-3
+    assert M.next_rate({1e-3: 0.8, 3e-3: 0.7, 1e-2: 0.6, 3e-2: 0.5}) is None  # the grid's end
+    assert M.next_rate({1e-2: 0.5, 3e-2: 0.5, 3e-3: 0.4}) is None  # a tie goes to the lower rate
+    assert M.next_rate({1e-2: 0.5, 3e-2: 0.6, 5e-2: 0.9, 1e-1: 0.4}) is None  # off the grid: not read
+
+
+def test_the_recall_grid_sweeps_then_seeds_then_widens(tmp_path):
+    csv, log = tmp_path / "recall_cpu.csv", []
+    kw = dict(d_model=32, steps=4, max_steps=4, vocab=32, batch=8, n_test=20, mix=((12, 2), (16, 3)),
+              tests=((16, 3), (24, 4)), curve_points=2, n_probe=10, workers=1, log=log.append)
+    models = ("default", "transformer + short conv", "transformer")
+    best = M.recall_grid(csv, models, seeds=(0, 1), wide=64, rates=(3e-3, 1e-2), start=(3e-3,), **kw)
+    rows = M.read_recall(csv)
+    assert best["transformer"] == best["transformer + short conv"]  # its kin's rate
+    for m in ("default", "transformer + short conv"):  # both rates tried on seed 0, the best is the higher score
+        swept = rows[(rows.model == m) & (rows.seed == 0) & (rows.d_model == 32)]
+        assert set(swept["lr"]) == {3e-3, 1e-2} and best[m] == M.swept_rate(swept, (3e-3, 1e-2))
+    for m in models:
+        at = rows[(rows.model == m) & (rows.lr == best[m]) & (rows.d_model == 32)]
+        assert sorted(at["seed"].unique()) == [0, 1]
+    wide = rows[rows.d_model == 64]
+    assert set(wide["model"]) == {"default", "transformer + short conv"} and len(wide) == 2 * 2 * 2
+    assert M.recall_grid(csv, models, seeds=(0, 1), wide=64, rates=(3e-3, 1e-2), start=(3e-3,), **kw) == best
+    assert len(M.read_recall(csv)) == len(rows)  # every run kept: nothing trained again
 
 
 def test_the_recall_cli_refuses_bad_input(capsys):
