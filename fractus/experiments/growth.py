@@ -71,17 +71,18 @@ class Job:
 
 
 def grown(lr: float, small: str = "3M", rate: float = 1.0, warmup: int | None = None, depth: str | None = None,
-          target: str = "4M") -> str:
-    """The grown path's schedule: ``SMALL`` for ``small`` tokens at its tuned rate, grown into
-    ``TARGET`` for ``target`` tokens at ``rate`` × ``lr`` (the target's tuned rate) with ``warmup``
-    steps (default: the schedule's) and growth operator ``depth`` (default: interleave)."""
+          target: str = "4M", presets: tuple[str, str] = (SMALL, TARGET)) -> str:
+    """The grown path's schedule: ``SMALL`` (``presets[0]``) for ``small`` tokens at its tuned rate,
+    grown into ``TARGET`` (``presets[1]``) for ``target`` tokens at ``rate`` × ``lr`` (the target's
+    tuned rate) with ``warmup`` steps (default: the schedule's) and growth operator ``depth``
+    (default: interleave)."""
     opts = (f":lr={rate * lr:g}" if rate != 1 else "") + (f":warmup={warmup}" if warmup is not None else "") \
         + (f":depth={depth}" if depth else "")
-    return f"{SMALL}:{small}:lr={SMALL_LR:g},{TARGET}:{target}{opts}"
+    return f"{presets[0]}:{small}:lr={SMALL_LR:g},{presets[1]}:{target}{opts}"
 
 
-def scratch(lr: float, seed: int, config: str = "scratch") -> Job:
-    return Job(config, "scratch", f"{TARGET}:6M", lr, seed)
+def scratch(lr: float, seed: int, config: str = "scratch", schedule: str = f"{TARGET}:6M") -> Job:
+    return Job(config, "scratch", schedule, lr, seed)
 
 
 def sweep_config(schedule: str) -> str:
@@ -109,15 +110,45 @@ ROUND1 = {
 ROUND2 = {"grown at 0.5M": {"small": "0.5M"}, "grown at 1M": {"small": "1M"}, "stacked": {"depth": "stack"}}
 
 
-def search_job(config: str, lr: float, seed: int, best: str | None = None) -> Job:
+def search_job(config: str, lr: float, seed: int, best: str | None = None, round2: dict = ROUND2, **sizes) -> Job:
     """The search's ``config`` (a name of :data:`ROUND1`, or ``f"{best}, {name}"`` for a name of
-    :data:`ROUND2` on round 1's ``best``) as a job."""
-    opts = dict(ROUND1[best] if best else ROUND1[config])
+    ``round2`` on round 1's ``best``) as a job; ``sizes``: :func:`grown`'s ``small``, ``target``
+    and ``presets`` where not the search's own (a smaller search, as the notebook's smoke run)."""
+    opts = {**sizes, **(ROUND1[best] if best else ROUND1[config])}
     if best:
-        opts.update(ROUND2[config])
+        opts.update(round2[config])
         config = f"{best}, {config}"
     flags = opts.pop("flags", ())
     return Job(config, "grown", grown(lr, **opts), lr, seed, tuple(flags))
+
+
+def search(data, csv_path: Path, runs: Path, lr: float, seed: int = 0, eval_every: int = 250, threads: int = 2,
+           log=print, reading: list[str] = READING, scratch_job=scratch, round2: dict = ROUND2,
+           **sizes) -> tuple[pd.DataFrame, str]:
+    """The search on ``seed``: the scratch path (``scratch_job(lr, seed)``) and each config of
+    :data:`ROUND1`, then each of ``round2`` on round 1's best (:func:`ranking`); trains what
+    ``csv_path`` lacks. Returns the CSV's rows and round 1's best config."""
+    base = scratch_job(lr, seed)
+    rows = run([base] + [search_job(c, lr, seed, **sizes) for c in ROUND1], data, csv_path, runs, eval_every,
+               threads, log, reading)
+    first = ranking(rows[(rows["seed"] == seed) & (rows["lr"] == lr) & rows["config"].isin([base.config, *ROUND1])],
+                    base.config)
+    best = first["config"].iloc[0]
+    rows = run([search_job(c, lr, seed, best, round2, **sizes) for c in round2], data, csv_path, runs, eval_every,
+               threads, log, reading)
+    return rows, best
+
+
+def best_seeds(data, csv_path: Path, runs: Path, lr: float, seeds=BEST_SEEDS, best: int = 2, eval_every: int = 250,
+               threads: int = 2, log=print, reading: list[str] = READING,
+               scratch_job=scratch) -> tuple[pd.DataFrame, list[str]]:
+    """The search's ``best`` configs (:func:`ranking` of its seed-``SEEDS[0]`` runs at ``lr``) and
+    the scratch path from each of ``seeds``; trains what ``csv_path`` lacks. Returns the CSV's rows
+    and the configs."""
+    rows = read_rows(csv_path)
+    top = list(ranking(rows[(rows["seed"] == SEEDS[0]) & (rows["lr"] == lr)])["config"].iloc[:best])
+    jobs = [j for s in seeds for j in [scratch_job(lr, s)] + [job_of(rows, c, lr, s) for c in top]]
+    return run(jobs, data, csv_path, runs, eval_every, threads, log, reading), top
 
 
 def run_dir(runs: Path, job: Job) -> Path:
@@ -310,10 +341,11 @@ def jump(data, csv_path: Path, runs: Path, lr: float, seed: int = 0, settings: d
     with runner.held(csv_path, runs):
         base = Job(f"{presets[0]} alone", "grown", f"{presets[0]}:{small}:lr={SMALL_LR:g}", lr, seed)
         out0 = run_dir(runs, base)
-        train_path(base, data, runs, eval_every, threads, reading)
+        done = set(runner.read_results(csv_path, JUMP_COLUMNS, "the growth jump")["config"])
+        if set(settings) - done:  # the small model, trained (or resumed) only where a setting needs it
+            train_path(base, data, runs, eval_every, threads, reading)
         ckpt = out0 / f"0-{presets[0]}" / "ckpt.pt"
         tokens = parse_schedule(f"{presets[1]}:{target}")[0].tokens  # "4M" → 4,000,000
-        done = set(runner.read_results(csv_path, JUMP_COLUMNS, "the growth jump")["config"])
         for name, (rate, warmup, depth) in settings.items():
             if name in done:
                 log(f"jump {name}: kept from {csv_path}")
@@ -383,19 +415,9 @@ def main(argv=None) -> None:
             print(jump(a.data, Path(a.jump_csv), runs, lr, SEEDS[0], eval_every=a.eval_every, threads=a.threads).to_string())
             return
         if a.phase == "search":  # one seed: round 1, then round 2 on round 1's best
-            seed = SEEDS[0]
-            rows = run([scratch(lr, seed)] + [search_job(c, lr, seed) for c in ROUND1], a.data, csv_path, runs,
-                       a.eval_every, a.threads)
-            first = ranking(rows[(rows["seed"] == seed) & (rows["lr"] == lr)
-                                 & rows["config"].isin(["scratch", *ROUND1])])
-            best = first["config"].iloc[0]
-            rows = run([search_job(c, lr, seed, best) for c in ROUND2], a.data, csv_path, runs, a.eval_every,
-                       a.threads)
+            rows, _ = search(a.data, csv_path, runs, lr, SEEDS[0], a.eval_every, a.threads)
         else:  # the search's best configs from every seed
-            rows = read_rows(csv_path)
-            top = ranking(rows[(rows["seed"] == SEEDS[0]) & (rows["lr"] == lr)])["config"].iloc[:a.best]
-            jobs = [j for s in a.seeds for j in [scratch(lr, s)] + [job_of(rows, c, lr, s) for c in top]]
-            rows = run(jobs, a.data, csv_path, runs, a.eval_every, a.threads)
+            rows, _ = best_seeds(a.data, csv_path, runs, lr, a.seeds, a.best, a.eval_every, a.threads)
         print(ranking(rows[rows["lr"] == lr]).to_string(float_format=lambda x: f"{x:.4g}"))
     runner.main(body)
 

@@ -81,3 +81,19 @@ def test_jump_validates_the_grown_model_from_its_first_step(tmp_path):
     again = G.jump(data, csv, runs, 1e-3, settings=settings, steps=(1, 3), eval_every=2, threads=1,
                    log=lambda *_: None, reading=READING, small="128", target="256", presets=("tiny", "tiny"))
     assert len(again) == 6  # kept
+
+
+def test_the_search_configs_are_the_schedules_they_name():
+    lr, small_lr = 3e-3, f"{G.SMALL_LR:g}"
+    assert G.search_job("restart", lr, 0).schedule == f"palier0:3M:lr={small_lr},palier1:4M"
+    assert G.search_job("restart 0.5x, warm-up 100", lr, 0).schedule.endswith(",palier1:4M:lr=0.0015:warmup=100")
+    wsd = G.search_job("continue wsd", lr, 1)
+    assert wsd.flags == ("--stage-lr", "continue", "--lr-shape", "wsd") and wsd.seed == 1 and wsd.path == "grown"
+    early = G.search_job("grown at 1M", lr, 0, best="restart 0.5x")
+    assert early.config == "restart 0.5x, grown at 1M"
+    assert early.schedule == f"palier0:1M:lr={small_lr},palier1:4M:lr=0.0015"
+    assert G.search_job("stacked", lr, 0, best="restart").schedule.endswith(",palier1:4M:depth=stack")
+    tiny = dict(presets=("tiny", "tiny"), small="128", target="192")  # a smaller search: the sizes given
+    assert G.search_job("restart 0.25x", lr, 0, **tiny).schedule == f"tiny:128:lr={small_lr},tiny:192:lr=0.00075"
+    assert G.search_job("grown at 64", lr, 0, "restart", {"grown at 64": {"small": "64"}}, **tiny).schedule \
+        == f"tiny:64:lr={small_lr},tiny:192"
