@@ -430,25 +430,28 @@ KIN = {"transformer": "transformer + short conv"}  # a model not swept trains at
 
 
 def sweep(models, csv, rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
-    """Sweep each of ``models``' rate on seed 0 (:func:`next_rate`), training the runs not yet in
-    ``csv`` (:func:`run_recall`, ``kw``); returns {model: its best rate} (:func:`swept_rate`)."""
-    width, vocab = kw.get("d_model", 64), kw.get("vocab", VOCAB)
+    """Sweep each of ``models``' rate on seed 0 (:func:`next_rate`) at the first budget (``steps``:
+    the rates compared on the same steps, none trained longer for the sweep), training the runs not
+    yet in ``csv`` (:func:`run_recall`, ``kw``); returns {model: its best rate} (:func:`swept_rate`)."""
+    width, vocab, steps = kw.get("d_model", 64), kw.get("vocab", VOCAB), kw.get("steps", STEPS)
 
     def tried(rows, m):
-        return rows[(rows["model"] == m) & (rows["seed"] == 0) & (rows["d_model"] == width) & (rows["vocab"] == vocab)]
+        return rows[(rows["model"] == m) & (rows["seed"] == 0) & (rows["d_model"] == width)
+                    & (rows["vocab"] == vocab) & (rows["steps"] == steps)]
     while True:
         rows = read_recall(csv)
         todo = [(m, r, 0) for m in models
                 if (r := next_rate(sweep_score(tried(rows, m)).to_dict(), rates, start)) is not None]
         if not todo:
             return {m: swept_rate(tried(rows, m), rates) for m in models}
-        run_recall(todo, csv, **kw)
+        run_recall(todo, csv, **{**kw, "max_steps": steps})
 
 
 def recall_grid(csv, models=tuple(RECALL_BY_NAME), seeds=(0, 1, 2), wide: int | None = 128, swept=SWEPT,
                 rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
-    """The recall experiment: the rate of each model of ``swept`` swept on seed 0 (:func:`sweep`),
-    then every model of ``models`` from ``seeds`` at its rate (its own if swept, else its kin's
+    """The recall experiment: the rate of each model of ``swept`` swept on seed 0 at the first
+    budget (:func:`sweep`), then every model of ``models`` from ``seeds`` at its rate, each run
+    trained until it settles (:func:`run_recall`) (its own if swept, else its kin's
     (:data:`KIN`) or the default's), the swept ones first; then the swept ones at width ``wide``
     (None: not) at the rate swept at the first width. Trains what ``csv`` lacks (``kw``: :func:`run_recall`'s);
     returns {model: rate}."""

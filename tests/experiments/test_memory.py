@@ -147,7 +147,7 @@ def test_the_rate_sweep_stops_once_its_best_is_bracketed():
 
 def test_the_recall_grid_sweeps_then_seeds_then_widens(tmp_path):
     csv, log = tmp_path / "recall_cpu.csv", []
-    kw = dict(d_model=32, steps=4, max_steps=4, vocab=32, batch=8, n_test=20, mix=((12, 2), (16, 3)),
+    kw = dict(d_model=32, steps=4, max_steps=8, vocab=32, batch=8, n_test=20, mix=((12, 2), (16, 3)),
               tests=((16, 3), (24, 4)), curve_points=2, n_probe=10, workers=1, log=log.append)
     models = ("default", "transformer + short conv", "transformer")
     best = M.recall_grid(csv, models, seeds=(0, 1), wide=64, rates=(3e-3, 1e-2), start=(3e-3,), **kw)
@@ -155,11 +155,12 @@ def test_the_recall_grid_sweeps_then_seeds_then_widens(tmp_path):
     assert best["transformer"] == best["transformer + short conv"]  # its kin's rate
     for m in ("default", "transformer + short conv"):  # both rates tried on seed 0, the best is the higher score
         swept = rows[(rows.model == m) & (rows.seed == 0) & (rows.d_model == 32)]
-        assert set(swept["lr"]) == {3e-3, 1e-2} and best[m] == M.swept_rate(swept, (3e-3, 1e-2))
+        assert set(swept["lr"]) == {3e-3, 1e-2} and best[m] == M.swept_rate(swept[swept.steps == 4], (3e-3, 1e-2))
+        assert set(swept[swept.lr != best[m]]["steps"]) == {4}  # the sweep compares rates at the first budget
     for m in models:
         at = rows[(rows.model == m) & (rows.lr == best[m]) & (rows.d_model == 32)]
         assert sorted(at["seed"].unique()) == [0, 1]
-    wide = rows[rows.d_model == 64]
+    wide = M.settled_reading(rows[rows.d_model == 64])  # each run at its last budget
     assert set(wide["model"]) == {"default", "transformer + short conv"} and len(wide) == 2 * 2 * 2
     assert M.recall_grid(csv, models, seeds=(0, 1), wide=64, rates=(3e-3, 1e-2), start=(3e-3,), **kw) == best
     assert len(M.read_recall(csv)) == len(rows)  # every run kept: nothing trained again
