@@ -327,7 +327,7 @@ def curves_path(csv) -> Path:
 
 def resume_path(runs, name: str, lr: float, seed: int, kw: dict) -> Path:
     """The resume point of a recall run in the folder ``runs``: one file per model, rate, seed,
-    width, vocabulary and budget (``default_+_delta_rule-lr0.01-seed0-d64-v512-6000.pt``)."""
+    width, vocabulary and budget (``default_delta_rule-lr0.01-seed0-d64-v512-6000.pt``)."""
     slug = re.sub(r"[^A-Za-z0-9.]+", "_", name).strip("_")
     return Path(runs) / f"{slug}-lr{lr:g}-seed{seed}-d{kw['d_model']}-v{kw['vocab']}-{kw['steps']}.pt"
 
