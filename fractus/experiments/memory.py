@@ -469,6 +469,26 @@ def recall_grid(csv, models=tuple(RECALL_BY_NAME), seeds=(0, 1, 2), wide: int | 
     return best
 
 
+def lead(rows: pd.DataFrame, model: str, over: str) -> pd.DataFrame:
+    """How far ``model`` recalls ahead of ``over``, setting by setting, against the spread over seeds
+    (``rows``: each run once, as :func:`settled_reading` gives them, one width). Per (T, D) that
+    both were scored at: each model's mean accuracy over its seeds and its spread (max − min), the
+    lead (``model``'s mean minus ``over``'s) and ``beyond``: whether the lead exceeds the larger of
+    the two spreads — a difference the seeds alone do not make; never from fewer than two seeds each
+    (no spread to judge by)."""
+    def by(m):
+        return rows[rows["model"] == m].groupby(["seq_len", "pairs"])["accuracy"].agg(["mean", "min", "max", "count"])
+    a, b = by(model), by(over)
+    if a.empty or b.empty:
+        raise ValueError(f"no rows of {model if a.empty else over!r} to compare")
+    t = a.join(b, how="inner", lsuffix="_a", rsuffix="_b")
+    out = pd.DataFrame({model: t["mean_a"], over: t["mean_b"], "lead": t["mean_a"] - t["mean_b"],
+                        "spread": np.maximum(t["max_a"] - t["min_a"], t["max_b"] - t["min_b"]),
+                        "seeds": np.minimum(t["count_a"], t["count_b"])})
+    out["beyond"] = (out["lead"].abs() > out["spread"]) & (out["seeds"] >= 2)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fractus.experiments.memory", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

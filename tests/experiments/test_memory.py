@@ -187,3 +187,23 @@ def test_every_recall_model_is_what_its_name_says(recall_model):
                    "attn_window", "n_levels", "router", "attn_update") if k not in changes)
     x, _ = M.mqar(2, 24, 4, 64, seed=0)
     assert model(x)[0].shape == (2, 24, 64)
+
+
+def test_a_lead_counts_only_beyond_the_spread_over_seeds():
+    def rows(model, accs):  # one setting's accuracy per seed, and a second setting at 0.5 for every seed
+        return [{"model": model, "seq_len": 256, "pairs": p, "seed": s, "accuracy": a}
+                for s, acc in enumerate(accs) for p, a in ((32, acc), (64, 0.5))]
+    r = pd.DataFrame(rows("delta", [0.97, 0.70, 0.90]) + rows("default", [0.92, 0.95, 0.93]) + rows("other", [0.5]))
+    t = M.lead(r, "delta", "default")
+    at = t.loc[(256, 32)]
+    assert at["lead"] == pytest.approx((0.97 + 0.70 + 0.90 - 0.92 - 0.95 - 0.93) / 3)  # behind on the mean
+    assert at["spread"] == pytest.approx(0.27) and not at["beyond"] and at["seeds"] == 3
+    assert t.loc[(256, 64), "lead"] == 0 and not t.loc[(256, 64), "beyond"]
+    r2 = pd.DataFrame(rows("delta", [0.97, 0.96, 0.98]) + rows("default", [0.92, 0.91, 0.93]))
+    assert M.lead(r2, "delta", "default").loc[(256, 32), "beyond"]  # 0.05 ahead, spreads 0.02
+    assert bool(M.lead(r2, "default", "delta").loc[(256, 32), "beyond"])  # behind by as much: beyond too
+    one = r2[r2.seed == 0]
+    assert one.pipe(M.lead, "delta", "default").loc[(256, 32), "seeds"] == 1
+    assert not M.lead(one, "delta", "default")["beyond"].any()  # one seed: no spread to judge by
+    with pytest.raises(ValueError, match="no rows of 'nope'"):
+        M.lead(r, "nope", "default")
