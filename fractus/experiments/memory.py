@@ -481,7 +481,7 @@ def lead(rows: pd.DataFrame, model: str, over: str) -> pd.DataFrame:
     a, b = by(model), by(over)
     if a.empty or b.empty:
         raise ValueError(f"no rows of {model if a.empty else over!r} to compare")
-    t = a.join(b, how="inner", lsuffix="_a", rsuffix="_b")
+    t = a.add_suffix("_a").join(b.add_suffix("_b"), how="inner")
     out = pd.DataFrame({model: t["mean_a"], over: t["mean_b"], "lead": t["mean_a"] - t["mean_b"],
                         "spread": np.maximum(t["max_a"] - t["min_a"], t["max_b"] - t["min_b"]),
                         "seeds": np.minimum(t["count_a"], t["count_b"])})
