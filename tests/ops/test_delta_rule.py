@@ -1,15 +1,19 @@
 """The gated delta rule (fractus.ops.delta_rule): what it recalls, the matrix form it
-implements, its carried state and resets, and gradients through it; the chunked form against the
-position-by-position reference on odd shapes, for outputs, states and every gradient."""
+implements, its carried state and resets, and gradients through it; the chunked PyTorch form and
+the Triton kernels (in the interpreter) against the position-by-position reference on odd shapes,
+for outputs, states and every gradient, in fp32 and bf16; the decode kernel against the chunked
+kernels; the kernels against fla's recurrent gated delta rule."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fractus.ops.delta_rule import delta_rule_chunked, delta_rule, delta_rule_reference
-from util import assert_rel
+from fractus.ops.delta_rule import delta_rule_chunked, delta_rule, delta_rule_reference, delta_rule_triton
+from fractus.ops.delta_rule import kernels as K
+from fractus.ops.delta_rule.reference import unit_features
+from util import LOWP, Launches, assert_lowp, assert_rel
 
 OMEGAS = [1.0, 0.38]
-PATHS = ("reference", "torch")
+PATHS = ("reference", "torch")  # fp64 paths; the kernels (fp32 inside) are tested below
 
 
 def inputs(B=2, T=13, H=3, D=5, Lv=2, seed=0, dtype=torch.float64):
@@ -83,7 +87,7 @@ def test_gradients_reach_every_input(backend):
 def _grads(fn, xs, resets, **kw):
     q, k, v, w, beta, decay, S0 = xs
     o, S = fn(q, k, v, w, OMEGAS, beta, decay, S0, resets, **kw)
-    probe = torch.sin(torch.arange(o.numel(), dtype=o.dtype)).view_as(o)  # a gradient no symmetry hides
+    probe = torch.sin(torch.arange(o.numel(), dtype=torch.float64)).to(o.dtype).view_as(o)  # no symmetry hides it
     loss = (o * probe).sum() + (S * S.detach().sin()).sum()
     return (o, S) + torch.autograd.grad(loss, [x for x in xs if x is not None])
 
@@ -124,3 +128,129 @@ def test_in_fp32_the_chunked_form_is_as_accurate_as_the_reference():
         assert a.dtype == torch.float32 and torch.isfinite(a).all()
         err = lambda x: ((x.double() - t).norm() / t.norm()).item()  # noqa: E731
         assert err(a) <= err(r) + 2e-6, (name, err(a), err(r))
+
+
+def _case(T, D, decay_kind, with_state, with_resets, seed=0, B=2, H=2, chunk=16):
+    q, k, v, w, beta, decay = inputs(B=B, T=T, H=H, D=D, seed=seed)
+    decay = {"position": decay, "fixed": decay[0, 0], None: None}[decay_kind]
+    S0 = torch.randn(B, len(OMEGAS), H, D, D, dtype=q.dtype) if with_state else None
+    resets = None
+    if with_resets:
+        resets = torch.zeros(B, T, dtype=torch.bool)
+        resets[0, ::chunk] = True  # on chunks' first positions
+        resets[1, T // 3] = resets[1, T - 1] = True
+    return [q, k, v, w, beta, decay, S0], resets
+
+
+def _names(xs):
+    return ["o", "S"] + [n for n, x in zip("q k v w beta decay S0".split(), xs) if x is not None]
+
+
+@pytest.mark.parametrize("T,D,decay_kind,with_state,with_resets,chunk", [
+    (1, 5, "position", True, False, 16), (37, 8, "position", True, True, 16), (16, 16, "fixed", False, True, 16),
+    (40, 5, None, True, False, 16), (70, 32, "position", True, True, 32), (33, 64, "position", False, True, 16)])
+def test_the_triton_kernels_are_the_recurrence(T, D, decay_kind, with_state, with_resets, chunk):
+    """fp32 through the Triton kernels against the fp64 reference: outputs, final state and the
+    gradients of q, k, v, the level weights, β, γ and the start state to 1e-5 — T of one position,
+    one chunk, a last chunk cut short; D below, at and above the 16-wide tile; a fixed decay and
+    none; resets on chunks' first positions, inside chunks and at the end."""
+    xs, resets = _case(T, D, decay_kind, with_state, with_resets, seed=T, chunk=chunk)
+    ref = _grads(delta_rule_reference, [None if x is None else x.clone().requires_grad_() for x in xs], resets)
+    got = _grads(delta_rule_triton, [None if x is None else x.float().requires_grad_() for x in xs], resets,
+                 chunk=chunk)
+    for name, a, b in zip(_names(xs), got, ref):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+        assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_in_low_precision_the_kernels_are_as_accurate_as_the_reference(dtype):
+    """bf16 and fp16 inputs over 100 positions: each output and gradient's error against the fp64
+    truth (on the same rounded inputs) at most the same-dtype reference's (which computes in fp32
+    and rounds its results) plus 2e-3 — the kernels' dots are tf32 (measured excess ≤ 1.3e-3)."""
+    xs, resets = _case(100, 16, "position", True, True, seed=5)
+    xs = [x.to(dtype) for x in xs]
+    truth = _grads(delta_rule_reference, [x.double().requires_grad_() for x in xs], resets)
+    ref = _grads(delta_rule_reference, [x.clone().requires_grad_() for x in xs], resets)
+    got = _grads(delta_rule_triton, [x.clone().requires_grad_() for x in xs], resets, chunk=32)
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    for name, a, r, t in zip(_names(xs), got, ref, truth):
+        assert_lowp(a, r, t, 2e-3, name)
+
+
+@pytest.mark.parametrize("T,with_state,with_resets", [(1, True, False), (5, False, True), (16, True, True)])
+def test_the_decode_kernel_is_the_chunked_kernels(T, with_state, with_resets, monkeypatch):
+    """T ≤ 16 without autograd runs one launch of the decode kernel, and gives the output and state
+    the chunked kernels give under autograd."""
+    xs, resets = _case(T, 24, "position", with_state, with_resets, seed=T)
+    xs = [None if x is None else x.float() for x in xs]
+    q, k, v, w, beta, decay, S0 = xs
+    launches = Launches(K._dr_decode_kernel)
+    monkeypatch.setattr(K, "_dr_decode_kernel", launches)
+    with torch.no_grad():
+        o, S = delta_rule(q, k, v, w, OMEGAS, beta, decay, S0, resets, backend="triton")
+    assert launches.count == 1
+    o2, S2 = delta_rule_triton(q, k, v, w.requires_grad_(), OMEGAS, beta, decay, S0, resets)
+    assert launches.count == 1  # autograd takes the chunked kernels
+    assert_rel(o, o2.detach(), 1e-6, "o")
+    assert_rel(S, S2.detach(), 1e-6, "S")
+
+
+def test_the_kernels_carry_their_state_across_calls():
+    """One call over 50 positions against a 21-position call and a 29-position call that takes its
+    state (chunks cut at other places), and a reset against a call from an empty state."""
+    (q, k, v, w, beta, decay, _), _ = _case(50, 8, "position", False, False, seed=7)
+    q, k, v, w, beta, decay = (x.float() for x in (q, k, v, w, beta, decay))
+    o, S = delta_rule_triton(q, k, v, w, OMEGAS, beta, decay)
+    cut = lambda x, a, b: x[:, a:b]  # noqa: E731
+    o1, S1 = delta_rule_triton(*(cut(x, 0, 21) for x in (q, k, v)), w, OMEGAS, cut(beta, 0, 21), cut(decay, 0, 21))
+    o2, S2 = delta_rule_triton(*(cut(x, 21, 50) for x in (q, k, v)), w, OMEGAS, cut(beta, 21, 50),
+                               cut(decay, 21, 50), state=S1)
+    assert_rel(torch.cat([o1, o2], 1), o, 1e-6, "o")
+    assert_rel(S2, S, 1e-6, "S")
+    resets = torch.zeros(2, 50, dtype=torch.bool)
+    resets[:, 21] = True
+    o3, _ = delta_rule_triton(q, k, v, w, OMEGAS, beta, decay, state=torch.randn_like(S), resets=resets)
+    fresh, _ = delta_rule_triton(*(cut(x, 21, 50) for x in (q, k, v)), w, OMEGAS, cut(beta, 21, 50), cut(decay, 21, 50))
+    assert_rel(o3[:, 21:], fresh, 1e-6, "o after the reset")
+
+
+def test_the_kernels_refuse_what_they_cannot_run():
+    q, k, v, w, beta, decay = (x.float() for x in inputs(T=4))
+    with pytest.raises(TypeError, match="fp32/fp16/bf16"):
+        delta_rule_triton(q.double(), k.double(), v.double(), w.double(), OMEGAS, beta.double())
+    with pytest.raises(ValueError, match="power of two"):
+        delta_rule_triton(q, k, v, w, OMEGAS, beta, chunk=24)
+    with pytest.raises(ValueError, match="beta must be"):
+        delta_rule_triton(q, k, v, w, OMEGAS, beta[..., :1, :])
+
+
+def test_the_kernels_agree_with_fla():
+    """One level (weight 1) through the kernels against fla's ``naive_recurrent_gated_delta_rule``
+    on the same unit features, β, log γ and start state (scale 1): output, final state, and the
+    gradients of the features' inputs, v, β, γ and the start state."""
+    naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")
+    (q, k, v, _, beta, decay, S0), _ = _case(45, 16, "position", True, False, seed=11)
+    one = [OMEGAS[0]]
+    q, k, v = (x.float().clone().requires_grad_() for x in (q, k, v))
+    beta, decay = (x.float()[:, :, :1].clone().requires_grad_() for x in (beta, decay))
+    S0 = S0.float()[:, :1].clone().requires_grad_()
+    xs = (q, k, v, beta, decay, S0)
+    probe = torch.sin(torch.arange(q.numel(), dtype=torch.float32)).view_as(q)
+
+    def ours():
+        o, S = delta_rule_triton(q, k, v, torch.ones(1), one, beta, decay, S0)
+        return o, S[:, 0]
+
+    def theirs():
+        fq, fk = (unit_features(x, one)[:, 0] for x in (q, k))
+        return naive.naive_recurrent_gated_delta_rule(fq, fk, v, beta[:, :, 0], torch.log(decay[:, :, 0]), scale=1.0,
+                                                      initial_state=S0[:, 0], output_final_state=True)
+    results = []
+    for fn in (ours, theirs):
+        o, S = fn()
+        loss = (o * probe).sum() + (S * S.detach().sin()).sum()
+        results.append((o, S, *torch.autograd.grad(loss, xs)))
+    for name, a, b in zip("o S q k v beta decay S0".split(), *results):
+        assert_rel(a, b, 1e-5, name)
+
