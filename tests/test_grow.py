@@ -80,6 +80,7 @@ VARIANTS = [("linear-router", dict(router="linear"), {}), ("dense-experts", dict
             ("decay-gate", dict(decay_gate=True, attn_decay=(0.9, 0.95, 0.8, 0.85)),
              dict(attn_decay=(0.9, 0.95, 0.7, 0.6, 0.8, 0.85, 0.99, 0.5))),
             ("delta-rule", dict(attn_update="delta", attn_norm="rms"), {}),
+            ("delta-rule-triton", dict(attn_update="delta", attn_norm="rms", decay_gate=True, backend="triton"), {}),
             ("original", dict(ORIGINAL), dict(ORIGINAL))]
 
 

@@ -421,8 +421,8 @@ def _two_chunks(backend, over, bf16=False):
 
 
 MODEL_VARIANTS = dict(argvalues=[{}, {"expert_rank": 0, "attn_decay": (0.9, 0.97), "router": "linear"},
-                                 model_mod.ORIGINAL],
-                      ids=["default", "dense-decay-linear", "original"])
+                                 model_mod.ORIGINAL, {"attn_update": "delta", "attn_norm": "rms", "decay_gate": True}],
+                      ids=["default", "dense-decay-linear", "original", "delta-rule"])
 
 
 @pytest.mark.parametrize("over", **MODEL_VARIANTS)
@@ -457,13 +457,14 @@ def test_triton_path_under_bf16_autocast(over, monkeypatch):
     (l0, g0, t0, _) = _two_chunks("torch", over)
     (lb, gb, tb, _) = _two_chunks("torch", over, bf16=True)
     given = {}
-    for mod, op in ((layers, "linear_attention"), (layers, "moe"), (model_mod, "linear_cross_entropy")):
+    attention = "delta_rule" if over.get("attn_update") == "delta" else "linear_attention"
+    for mod, op in ((layers, attention), (layers, "moe"), (model_mod, "linear_cross_entropy")):
         def record(x, *args, _op=op, _fn=getattr(mod, op), **kw):
             given.setdefault(_op, set()).add(x.dtype)
             return _fn(x, *args, **kw)
         monkeypatch.setattr(mod, op, record)
     (l1, g1, t1, _) = _two_chunks("triton", over, bf16=True)
-    assert given == dict.fromkeys(("linear_attention", "moe", "linear_cross_entropy"), {torch.bfloat16})
+    assert given == dict.fromkeys((attention, "moe", "linear_cross_entropy"), {torch.bfloat16})
     assert g1.keys() == g0.keys() == gb.keys()
 
     def flat(g):

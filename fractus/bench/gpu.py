@@ -41,7 +41,8 @@ import pandas as pd
 import torch
 
 from fractus.atomic import atomic_open
-from fractus.bench import common, cross_entropy, decode, harness, linear_attention, moe, optimizations, profile
+from fractus.bench import (common, cross_entropy, decode, delta_rule, harness, linear_attention, moe, optimizations,
+                           profile)
 from fractus.bench.common import check_rows, cuda_context_lost, median_time, sync
 from fractus.bench.costmodel import datasheet, flops_per_token, gpu_step
 from fractus.bench.cpu_costmodel import host_op_seconds
@@ -58,8 +59,9 @@ from fractus.training.command import train
 from fractus.verify import aot, offsets
 from fractus.verify.cases import GEN_PROMPT, kuramoto_case
 
-KERNELS = ("linear_attention", "moe", "cross_entropy")
-OPS = {"linear_attention": linear_attention, "moe": moe, "cross_entropy": cross_entropy}  # their modules
+KERNELS = ("linear_attention", "delta_rule", "moe", "cross_entropy")
+OPS = {"linear_attention": linear_attention, "delta_rule": delta_rule, "moe": moe,
+       "cross_entropy": cross_entropy}  # their modules
 TRAIN_TARGET = ("1b", 150_000, 0.20)  # preset, tok/s and MFU it must reach in bf16 on one H200
 COST_MODEL_TOLERANCE = 0.30  # the cost model's predicted step time against the measured one, on the GPU
 # The original's only measured GPU throughput (TRAINING_LOG_1B.md of the Fractus CTE repository, "Live

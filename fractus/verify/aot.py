@@ -189,6 +189,24 @@ def _run_linear_attention(dtype):
         la.linear_attention_triton(q, k, v, w, level_omegas(Lv), g, st, 1e-6, normalize)
 
 
+def _run_delta_rule(dtype):
+    """The gated delta rule's chunked kernels forward and backward (a state and resets, a decay
+    per position; without them; the loss on the output alone, as in training), the forward without
+    gradients, and the decode kernel (with resets and without)."""
+    from fractus.ops.delta_rule import delta_rule_triton
+    from fractus.model import level_omegas
+    from fractus.verify.cases import delta_case
+    H, D, Lv = 8, 64, 2
+    for B, T, carried in ((2, 2048, True), (2, 300, False), (1, 2048, False)):
+        q, k, v, w, beta, decay, st, r = delta_case(B, T, H, D, Lv, state=carried, resets=carried, dtype=dtype)
+        o, S = delta_rule_triton(q, k, v, w, level_omegas(Lv), beta, decay, st, r)
+        (o.float().sum() + (S.sum() if carried else 0)).backward()
+    with torch.no_grad():
+        for T, resets in ((2048, False), (1, False), (7, True)):
+            q, k, v, w, beta, decay, st, r = delta_case(2, T, H, D, Lv, resets=resets, dtype=dtype, grad=False)
+            delta_rule_triton(q, k, v, w, level_omegas(Lv), beta, decay, st, r)
+
+
 def _run_moe(dtype):
     """Low-rank and dense experts forward and backward, in the tokens' dtype and (below fp32) as
     the fp32 masters the model passes under autocast; and the forward alone."""
@@ -225,8 +243,8 @@ def _run_kuramoto(dtype):
             psi.backward(dy)
 
 
-OPS = {"linear_attention": _run_linear_attention, "moe": _run_moe, "cross_entropy": _run_cross_entropy,
-       "kuramoto": _run_kuramoto}
+OPS = {"linear_attention": _run_linear_attention, "delta_rule": _run_delta_rule, "moe": _run_moe,
+       "cross_entropy": _run_cross_entropy, "kuramoto": _run_kuramoto}
 
 
 def _run_fla():
@@ -249,7 +267,7 @@ def _run_timings():
     """The Triton launches of the GPU suite's timings (bf16), as its ``timing_*`` stages make them:
     the attention of each recurrence at each length (the forward alone, forward+backward, and the
     backward on chunks of 64: the chunk count is an argument Triton specialises on divisibility by
-    16) and its decode step; the 1b experts at each token count (low-rank) and at the first (dense),
+    16) and its decode step; the gated delta rule at the same shape, likewise; the 1b experts at each token count (low-rank) and at the first (dense),
     forward alone and forward+backward; the 1b head's loss, forward+backward."""
     from fractus.ops import cross_entropy as ce
     from fractus.ops import moe
@@ -265,6 +283,14 @@ def _run_timings():
         with torch.no_grad():
             cases.attention("triton", *cases.timed_attention(recurrence, 1, 1, shape["H"], shape["D"],
                                                              shape["levels"], grad=False))
+    for T in cases.ATTENTION_TS:  # the gated delta rule at the same shape
+        inputs = cases.delta_case(T=T, dtype=torch.bfloat16, **shape)[:7]
+        with torch.no_grad():
+            cases.delta("triton", *inputs)
+        cases.delta_fwd_bwd("triton", *inputs)
+    with torch.no_grad():
+        cases.delta("triton", *cases.delta_case(1, 1, shape["H"], shape["D"], shape["levels"], dtype=torch.bfloat16,
+                                                grad=False)[:7])
     bf16 = torch.bfloat16
     for N, lowrank in [(N, True) for N in cases.MOE_TOKENS] + [(cases.MOE_TOKENS[0], False)]:
         x, idx, w, ex = cases.moe_case(N, **cases.MOE_GPU, lowrank=lowrank, dtype=bf16)

@@ -8,6 +8,9 @@ GPU suite's stages launch, and so what the compile table and the suite's precomp
   :func:`attention` / :func:`fwd_bwd`, which run one implementation of them: ours (PyTorch, Triton,
   Triton with its backward on chunks of 64, the reference) or flash-linear-attention's
   ``chunk_simple_gla`` on the same featured q and k (:func:`fla_attention`);
+- the gated delta rule: :func:`delta_case` (β and a decay per position, a state, resets), timed at
+  the linear attention's shape, and :func:`delta` / :func:`delta_fwd_bwd`: ours (Triton, PyTorch,
+  the reference) or fla's ``chunk_gated_delta_rule`` on the same unit features (:func:`fla_delta_rule`);
 - sparse experts: :func:`moe_case`, the 1b shape the suite times (:data:`MOE_GPU`, :data:`MOE_TOKENS`)
   and its timed call (:func:`moe_fwd_bwd`);
 - the tied head's cross-entropy: :func:`cross_entropy_case`, :data:`CROSS_ENTROPY_GPU` and its timed
@@ -23,6 +26,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from fractus.ops.delta_rule import delta_rule
+from fractus.ops.delta_rule.reference import unit_features
 from fractus.ops.linear_attention import kernels as la_kernels
 from fractus.ops.linear_attention import linear_attention
 from fractus.model import level_omegas, multiscale_decays
@@ -155,6 +160,70 @@ def attention_fwd_bwd(impl: str, q, k, v, w, decay=None, state=None) -> None:
     """Forward and backward of :func:`attention` (``triton_bwd64``: the backward on chunks of 64)."""
     with _backward_chunk(64) if impl == "triton_bwd64" else contextlib.nullcontext():
         fwd_bwd(lambda: attention(impl, q, k, v, w, decay, state), (q, k, v, w, *(state or ())))
+
+
+# ----------------------------------------------------------------------------- gated delta rule
+DELTA_IMPLS = ("triton", "torch", "reference", "fla")
+
+
+def delta_case(B, T, H, D, levels=2, state=True, resets=False, dtype=torch.float32, device="cpu", grad=True,
+               seed=0):
+    """The gated delta rule's inputs: q, k, v [B, T, H, D] in dtype; level weights [Lv], write
+    strengths β [B, T, Lv, H] in (0, 1) and a decay per position [B, T, Lv, H] in [0.65, 0.95] (the
+    decay gate's), in fp32 as the model makes them; a state [B, Lv, H, D, D] fp32 or None; resets
+    [B, T] (every 97th position from the 37th) or None. Floating leaves require grad when grad."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def leaf(x, dt=torch.float32):
+        return x.to(device=device, dtype=dt).requires_grad_(grad)
+    q, k, v = (leaf(torch.randn(B, T, H, D, generator=gen), dtype) for _ in range(3))
+    w = leaf(torch.softmax(torch.randn(levels, generator=gen), 0))
+    beta = leaf(torch.rand(B, T, levels, H, generator=gen))
+    decay = leaf(torch.rand(B, T, levels, H, generator=gen) * 0.3 + 0.65)
+    st = leaf(0.5 * torch.randn(B, levels, H, D, D, generator=gen)) if state else None
+    r = None
+    if resets:
+        r = torch.zeros(B, T, dtype=torch.bool)
+        r[:, 36::97] = True
+        r = r.to(device)
+    return q, k, v, w, beta, decay, st, r
+
+
+@functools.lru_cache(maxsize=None)
+def fla_delta_rule():
+    """flash-linear-attention's ``chunk_gated_delta_rule`` computing our gated delta rule, and a
+    note naming it: (fn(q, k, v, w, beta, decay, state) → o, note). The unit feature maps run first
+    (per level, the levels folded into heads, level-major as β, the decay and the state are), v is
+    repeated for each level, g = log γ, scale 1; the level mix follows. fla takes no resets.
+    ImportError without fla."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def fn(q, k, v, w, beta, decay, state=None):
+        B, T, H, D = q.shape
+        Lv = w.numel()
+        fq, fk = (unit_features(x, level_omegas(Lv)).transpose(1, 2).flatten(2, 3).to(q.dtype) for x in (q, k))
+        h0 = None if state is None else state.reshape(B, Lv * H, D, D)
+        o = chunk_gated_delta_rule(fq, fk, v.repeat(1, 1, Lv, 1), torch.log(decay.float()).flatten(2, 3),
+                                   beta.flatten(2, 3).to(q.dtype), scale=1.0, initial_state=h0)[0]
+        return torch.einsum("l,btlhd->bthd", w.float(), o.float().unflatten(2, (Lv, H))).to(q.dtype)
+    import fla
+    return fn, f"fla {getattr(fla, '__version__', '?')} chunk_gated_delta_rule on the unit features"
+
+
+def delta(impl: str, q, k, v, w, beta, decay, state=None, resets=None) -> torch.Tensor:
+    """o [B, T, H, D] of one of :data:`DELTA_IMPLS` (fla: without resets)."""
+    if impl == "fla":
+        if resets is not None:
+            raise ValueError("fla's chunk_gated_delta_rule takes no resets")
+        return fla_delta_rule()[0](q, k, v, w, beta, decay, state)
+    if impl not in DELTA_IMPLS:
+        raise ValueError(f"impl must be one of {DELTA_IMPLS}, got {impl!r}")
+    return delta_rule(q, k, v, w, level_omegas(w.numel()), beta, decay, state, resets, backend=impl)[0]
+
+
+def delta_fwd_bwd(impl: str, q, k, v, w, beta, decay, state=None, resets=None) -> None:
+    """Forward and backward of :func:`delta`."""
+    fwd_bwd(lambda: delta(impl, q, k, v, w, beta, decay, state, resets), (q, k, v, w, beta, decay, state))
 
 
 # ----------------------------------------------------------------------------- sparse experts

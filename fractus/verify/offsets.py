@@ -11,6 +11,10 @@ takes the same code paths at tiny sizes (nothing there passes 2³¹), and the su
 captures the cases at a size that Triton specialises as the full one (see :func:`_long`), so that
 they load binaries instead of compiling.
 
+The gated delta rule is not among them: its kernels' fp32 intermediates at that size (features,
+chunk matrices, gradients) need about 120 GB; ``tests/verify/test_offsets.py`` checks its integer
+arithmetic in the interpreter.
+
 The last rows checked all start past 2³¹ elements (:func:`_past`). Peak device memory per case,
 counted (not measured): attention about 60 GB, its decode kernel 38 GB, cross-entropy 30 GB, MoE
 55 GB, dense MoE 55 GB (bf16), the clock 60 GB (fp32); an H200 has 141 GB.

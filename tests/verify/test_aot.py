@@ -12,7 +12,7 @@ import pandas as pd
 
 from fractus.verify import aot
 
-OPS = ("linear_attention", "moe", "cross_entropy", "kuramoto")
+OPS = ("linear_attention", "delta_rule", "moe", "cross_entropy", "kuramoto")
 
 
 def test_every_kernel_compiles_for_sm90(tmp_path):
@@ -32,7 +32,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
             assert set(g["dtype"]) == dtypes, (op, name)
     timed = rows[rows["op"] == "extra[timings]"]  # the GPU suite's timed launches, in bf16
     assert set(timed["kernel"]) <= set().union(*map(aot.kernel_names, OPS))
-    assert {"_la_out_kernel", "_la_decode_kernel", "_lr_fwd_kernel", "_lce_fwd_kernel"} <= set(timed["kernel"])
+    assert {"_la_out_kernel", "_la_decode_kernel", "_dr_bwd_grads_kernel", "_dr_decode_kernel", "_lr_fwd_kernel",
+            "_lce_fwd_kernel"} <= set(timed["kernel"])
     model = rows[rows["op"] == "model[palier0]"]  # a bf16 training step and a decode step
     clock = model["kernel"].str.startswith("_kuramoto")  # the clock runs in fp32 under autocast
     assert (model.loc[clock, "dtype"] == "float32").all() and (model.loc[~clock, "dtype"] == "bfloat16").all()
@@ -305,7 +306,8 @@ from fractus.verify import aot, offsets
 from fractus.ops import common as backend, linear_attention as la
 from fractus.model import level_omegas
 names = {L.name for L in aot.launches(ops=(), extras=("offsets",))}
-assert names == set().union(*(aot.kernel_names(op) for op in aot.OPS)), names
+# the delta rule's fp32 intermediates past 2³¹ need ~120 GB: its offsets are checked in the interpreter only
+assert names == set().union(*(aot.kernel_names(op) for op in aot.OPS if op != 'delta_rule')), names
 
 def keys(B, make):
     out = []

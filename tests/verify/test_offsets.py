@@ -14,6 +14,7 @@ from triton.runtime.errors import InterpreterError
 from fractus.ops import common as backend
 from fractus.ops.cross_entropy import kernels as ce_kernels
 from fractus.ops.cross_entropy import linear_cross_entropy
+from fractus.ops.delta_rule import kernels as dr_kernels
 from fractus.ops.kuramoto import kuramoto_phase
 from fractus.ops.linear_attention import linear_attention
 from fractus.ops.moe import moe
@@ -167,6 +168,35 @@ def test_linear_attention_decode(shape):
         o, (S, z) = linear_attention(q, k, v, torch.ones(1), [0.0], decay=torch.full((H,), 0.9), state=state,
                                      backend="triton")
     assert o.shape == q.shape and S.shape == state[0].shape
+
+
+def test_delta_rule_chunked():
+    """The gated delta rule's chunked kernels, called through their autograd Function on folded
+    features [N, T, D] with N·T·D past 2³¹ (the PyTorch around them, feature maps and level sum,
+    would touch every page): forward and backward with a state and resets; the per-chunk buffers
+    (M [N, NC, BT, BT], twice that size here, and the chunk states) too. One head's positions run
+    in one program's loop, so a single head past 2³¹ (t·D) is not checked here: it would take the
+    interpreter 2²⁶ iterations."""
+    N, T, D = PAST // (64 * 16) + 1, 64, 16
+    fq, fk, v = (big(N, T, D, dtype=torch.float32, grad=True) for _ in range(3))
+    beta, g = (big(N, T, dtype=torch.float32, grad=True) for _ in range(2))
+    S0 = big(N, D, D, dtype=torch.float32, grad=True)
+    with interpret.address_check():
+        y, S = dr_kernels._TritonDeltaRule.apply(fq, fk, v.view(N, 1, T, D), beta, g, S0, big(N, T, dtype=torch.int32),
+                                                 1, 1, "ieee", dr_kernels.CHUNK)
+        torch.autograd.backward([y, S], [big(N, T, D, dtype=torch.float32), big(N, D, D, dtype=torch.float32)])
+    assert fq.grad.shape == fq.shape and S0.grad.shape == S0.shape and g.grad.shape == g.shape
+
+
+def test_delta_rule_decode():
+    """The one-launch decode kernel (T ≤ 16, no autograd) with the features and the state past 2³¹."""
+    N, T, D = PAST // (15 * 16) + 1, 16, 16
+    fq, fk, v, y = (big(N, T, D, dtype=torch.float32) for _ in range(4))
+    beta, g = (big(N, T, dtype=torch.float32) for _ in range(2))
+    S0, S = big(N, D, D, dtype=torch.float32), big(N, D, D, dtype=torch.float32)
+    with interpret.address_check():
+        dr_kernels._dr_decode_kernel[(N,)](fq, fk, v, beta, g, g, S0, y, S, T, 1, 1, D, HAS_INIT=True, RESETS=False,
+                                           BD=16)
 
 
 def test_cross_entropy_every_row():

@@ -352,7 +352,8 @@ class _TritonDeltaRule(torch.autograd.Function):
         _dr_bwd_grads_kernel[(NC, N)](fq, fk, v, beta, g, r, M, W, U1, U, hs, dhs, du, dy, dq, dk, dv, dbeta, dg,
                                       **shape, **flags, num_warps=_PARALLEL_WARPS)
         B, H = v.shape[:2]
-        dv = dv.view(B, -1, H, T, D).sum(1)  # the levels share v
+        dv = dv.view(B, -1, H, T, D)
+        dv = dv[:, 0] if dv.shape[1] == 1 else dv.sum(1)  # the levels share v
         return dq, dk, dv, dbeta, dg, ds0 if ctx.has_init else None, None, None, None, None, None
 
 
