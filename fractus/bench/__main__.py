@@ -30,7 +30,8 @@ from fractus.training.records import write_csv
 from fractus.verify import aot
 
 # subject (its CSV: OUT/<subject>_cpu.csv) → the module whose cpu_rows measure it
-SUBJECTS = {"train": "throughput", "linear_attention": "linear_attention", "moe": "moe", "cross_entropy": "cross_entropy"}
+SUBJECTS = {"train": "throughput", "linear_attention": "linear_attention", "delta_rule": "delta_rule", "moe": "moe",
+            "cross_entropy": "cross_entropy"}
 
 
 def run_cpu(out: Path, only: list[str]) -> None:

@@ -1,4 +1,10 @@
-"""The gated delta rule's GPU benchmark and correctness checks (stages of the GPU suite).
+"""The gated delta rule's benchmarks: CPU training against the default, and the GPU suite's stages.
+
+CPU (fp32, one thread): the trainer's optimizer step (AdamW, the state carried, every position
+supervised) of palier0 and of palier0 with the gated delta rule in place of the linear attention's
+additive update (``attn_update="delta"``, ``attn_norm="rms"``), timed in alternating rounds (the
+shared machine's drift reaches both); target: the delta rule's step time ≤ the default's / 0.95
+(training throughput ≥ 0.95× the default's). On the CPU the model runs the chunked PyTorch path.
 
 GPU (bf16): at the linear attention's timed shape (:data:`fractus.verify.cases.ATTENTION_GPU`: B=8,
 2 levels × 20 heads, D=64, T ∈ {512, 2048, 8192}), with β and a decay per position (the decay
@@ -19,6 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from fractus.bench import common, harness
+from fractus.bench.throughput import TrainingStep
 from fractus.model import level_omegas
 from fractus.ops.delta_rule import delta_rule
 from fractus.verify import cases
@@ -42,6 +49,39 @@ def _min_bytes(B, T, H, D, levels, elt, backward=False):
             + 8 * B * levels * H * D * D)
 
 
+# ----------------------------------------------------------------------------- CPU
+VARIANTS = {"default": {}, "delta rule": dict(attn_update="delta", attn_norm="rms")}  # the configs compared
+
+
+def cpu_benches(smoke: bool = False) -> list[harness.Bench]:
+    """The training step of each of :data:`VARIANTS` (palier0, 8 streams × 256 tokens; smoke: the
+    tiny preset, 4 × 32), interleaved in rounds, the default the baseline."""
+    preset, B, C = ("tiny", 4, 32) if smoke else ("palier0", 8, 256)
+
+    def setup(chunk_len):
+        return {p: TrainingStep(preset, batch_size=B, chunk_len=chunk_len, accum=1, optimizer="adamw", **over)
+                for p, over in VARIANTS.items()}
+
+    def call(provider, mode, steps):
+        def step():
+            steps[provider].forward_backward(0)
+            steps[provider].update()
+        return step
+    target = harness.Target("delta rule", "training step time <= the default's / 0.95 (throughput >= 0.95x)",
+                            lambda r: r.value("delta rule") <= r.value("default") / 0.95)
+    return [harness.Bench(
+        op="delta_rule", case=f"{preset} training step", x_name="chunk_len", x_values=(C,),
+        providers=tuple(VARIANTS), setup=setup, call=call, modes=("train",), baseline="default",
+        shape=dict(preset=preset, B=B, accum=1, optimizer="adamw"), threads=1, targets=(target,),
+        timing=harness.Timing(warmup=1, reps=1, rounds=3 if smoke else 9, interleave=tuple(VARIANTS)))]
+
+
+def cpu_rows(smoke: bool = False) -> list[dict]:
+    """:func:`cpu_benches`' rows (:mod:`fractus.bench.harness`)."""
+    return list(harness.run(cpu_benches(smoke)))
+
+
+# ----------------------------------------------------------------------------- GPU
 def _fla_status():
     """(fla's wrapper or None, a note saying which fla it is or why it is absent)."""
     try:

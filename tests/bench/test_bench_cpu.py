@@ -12,7 +12,7 @@ import pytest
 from fractus.bench.harness import COLUMNS
 from util import ROOT
 
-OPS = ("linear_attention", "moe", "cross_entropy")  # their rows: the harness's (metric, median)
+OPS = ("linear_attention", "delta_rule", "moe", "cross_entropy")  # their rows: the harness's (metric, median)
 
 
 def test_bench_cpu_writes_every_subjects_csv(tmp_path):

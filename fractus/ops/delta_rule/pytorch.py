@@ -62,8 +62,8 @@ def delta_rule_chunked(q, k, v, level_weights, omegas, beta, decay=None, state=N
     g0 = torch.exp(b.to(dt)) * start  # e^{b_t}: decay from the chunk's start state
     gC = torch.exp((b[..., -1:] - b).to(dt)) * end  # e^{b_C − b_t}: to the chunk's end
     L = torch.eye(C, dtype=dt, device=q.device) + bt[..., :, None] * (fk @ fk.transpose(-1, -2)) * strict
-    U1 = torch.linalg.solve_triangular(L, bt[..., None] * vc.expand_as(fk), upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(L, (bt * g0)[..., None] * fk, upper=False, unitriangular=True)
+    rhs = torch.cat([bt[..., None] * vc.expand_as(fk), (bt * g0)[..., None] * fk], -1)  # one solve for both
+    U1, W = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True).split(D, -1)
     kw = (fk * gC[..., None]).transpose(-1, -2)  # [B, Lv, H, n, D, C]
     decayC = torch.exp(b[..., -1].to(dt))[..., None, None] * carry  # [B, Lv, H, n, 1, 1]
     S = torch.zeros(B, Lv, H, D, D, dtype=dt, device=q.device) if state is None else state.to(dt)
