@@ -166,6 +166,20 @@ def test_the_recall_grid_sweeps_then_seeds_then_widens(tmp_path):
     assert len(M.read_recall(csv)) == len(rows)  # every run kept: nothing trained again
 
 
+def test_the_recall_grid_trains_the_seeds_until_they_settle_by_default(monkeypatch):
+    """Without ``max_steps`` the seeds' runs may double up to MAX_STEPS (the sweep keeps its first
+    budget): a grid that stopped unsettled runs at the first budget would read them unsettled."""
+    calls = []
+    monkeypatch.setattr(M, "sweep", lambda models, csv, rates, start, **kw: calls.append(("sweep", kw)) or
+                        dict.fromkeys(models, 1e-2))
+    monkeypatch.setattr(M, "run_recall", lambda jobs, csv, **kw: calls.append(("seeds", kw)))
+    M.recall_grid("recall.csv", ("default",), seeds=(0,), wide=None, workers=1)
+    assert [c[0] for c in calls] == ["sweep", "seeds"] and calls[1][1]["max_steps"] == M.MAX_STEPS
+    calls.clear()
+    M.recall_grid("recall.csv", ("default",), seeds=(0,), wide=None, max_steps=M.STEPS)
+    assert calls[1][1]["max_steps"] == M.STEPS  # as given
+
+
 def test_the_recall_cli_refuses_bad_input(capsys):
     for argv in (["recall", "--models", "nope"], ["recall", "--lrs", "-1"], ["recall", "--steps", "0"], []):
         with pytest.raises(SystemExit) as e:
