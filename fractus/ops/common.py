@@ -43,6 +43,15 @@ def pick(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+def sequential_configs():
+    """Autotune configs of the chunk-loop kernels (one program per head looping over its chunks):
+    4 or 8 warps, 1 or 2 stages; a single one in the interpreter."""
+    import triton  # only where kernels are defined
+    if interpreting():
+        return [triton.Config({}, num_warps=4)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
+
+
 def dot_precision(x: torch.Tensor) -> str:
     """``tl.dot``'s input_precision for inputs like x: IEEE for fp32 (TF32 would cost ~1e-3
     relative error), "tf32" otherwise (fp16/bf16 dots ignore it)."""

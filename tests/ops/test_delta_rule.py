@@ -92,6 +92,18 @@ def _grads(fn, xs, resets, **kw):
     return (o, S) + torch.autograd.grad(loss, [x for x in xs if x is not None])
 
 
+def _case(T, D, decay_kind, with_state, with_resets, seed=0, B=2, H=2, chunk=16):
+    q, k, v, w, beta, decay = inputs(B=B, T=T, H=H, D=D, seed=seed)
+    decay = {"position": decay, "fixed": decay[0, 0], None: None}[decay_kind]
+    S0 = torch.randn(B, len(OMEGAS), H, D, D, dtype=q.dtype) if with_state else None
+    resets = None
+    if with_resets:
+        resets = torch.zeros(B, T, dtype=torch.bool)
+        resets[0, ::chunk] = True  # on chunks' first positions
+        resets[1, T // 3] = resets[1, T - 1] = True
+    return [q, k, v, w, beta, decay, S0], resets
+
+
 @pytest.mark.parametrize("T,C,decay_kind,with_state,with_resets", [
     (1, 64, "position", False, False), (13, 4, "position", True, True), (13, 64, None, True, False),
     (16, 4, "fixed", False, True), (37, 8, "position", True, True), (70, 64, "position", True, True)])
@@ -99,16 +111,8 @@ def test_the_chunked_form_is_the_recurrence(T, C, decay_kind, with_state, with_r
     """Outputs, final state and the gradients of q, k, v, the level weights, β, γ and the start state,
     chunked against one position at a time in fp64: chunks shorter, equal to and longer than T, a
     last chunk cut short, resets inside chunks and on their edges."""
-    q, k, v, w, beta, decay = inputs(T=T, seed=T)
-    B, _, H, D = q.shape
-    decay = {"position": decay, "fixed": decay[0, 0], None: None}[decay_kind]
-    S0 = torch.randn(B, len(OMEGAS), H, D, D, dtype=q.dtype) if with_state else None
-    resets = None
-    if with_resets:
-        resets = torch.zeros(B, T, dtype=torch.bool)
-        resets[0, ::C] = True  # on chunks' first positions
-        resets[1, T // 3] = resets[1, T - 1] = True
-    xs = [None if x is None else x.clone().requires_grad_() for x in (q, k, v, w, beta, decay, S0)]
+    xs, resets = _case(T, 5, decay_kind, with_state, with_resets, seed=T, H=3, chunk=C)
+    xs = [None if x is None else x.clone().requires_grad_() for x in xs]
     ref = _grads(delta_rule_reference, xs, resets)
     got = _grads(delta_rule_chunked, xs, resets, C=C)
     names = ["o", "S"] + [n for n, x in zip("q k v w beta decay S0".split(), xs) if x is not None]
@@ -128,18 +132,6 @@ def test_in_fp32_the_chunked_form_is_as_accurate_as_the_reference():
         assert a.dtype == torch.float32 and torch.isfinite(a).all()
         err = lambda x: ((x.double() - t).norm() / t.norm()).item()  # noqa: E731
         assert err(a) <= err(r) + 2e-6, (name, err(a), err(r))
-
-
-def _case(T, D, decay_kind, with_state, with_resets, seed=0, B=2, H=2, chunk=16):
-    q, k, v, w, beta, decay = inputs(B=B, T=T, H=H, D=D, seed=seed)
-    decay = {"position": decay, "fixed": decay[0, 0], None: None}[decay_kind]
-    S0 = torch.randn(B, len(OMEGAS), H, D, D, dtype=q.dtype) if with_state else None
-    resets = None
-    if with_resets:
-        resets = torch.zeros(B, T, dtype=torch.bool)
-        resets[0, ::chunk] = True  # on chunks' first positions
-        resets[1, T // 3] = resets[1, T - 1] = True
-    return [q, k, v, w, beta, decay, S0], resets
 
 
 def _names(xs):

@@ -39,12 +39,6 @@ CHUNK = 32  # positions per chunk on a GPU (the interpreter's tests pass their o
 _DECODE_MAX_T = 16
 
 
-def _configs():
-    """Autotune configs of the sequential kernels; a single one in the interpreter."""
-    if _backend.interpreting():
-        return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
-
 
 _PARALLEL_WARPS = 8
 
@@ -117,6 +111,23 @@ def _head(n, LVH, H, T, D):
 
 
 @triton.jit
+def _head_state(s_ptr, n, D, BD: tl.constexpr, PRESENT: tl.constexpr):
+    """Folded head n's D×D matrix of an [N, D, D] buffer as a [BD, BD] tile, or zeros."""
+    rd = tl.arange(0, BD)
+    if PRESENT:
+        return tl.load(s_ptr + n * D * D + rd[:, None] * D + rd[None, :], mask=(rd[:, None] < D) & (rd[None, :] < D),
+                       other=0.0)
+    return tl.zeros([BD, BD], dtype=tl.float32)
+
+
+@triton.jit
+def _store_head_state(s_ptr, n, D, BD: tl.constexpr, S):
+    """S [BD, BD] as folded head n's D×D matrix of an [N, D, D] buffer."""
+    rd = tl.arange(0, BD)
+    tl.store(s_ptr + n * D * D + rd[:, None] * D + rd[None, :], S, mask=(rd[:, None] < D) & (rd[None, :] < D))
+
+
+@triton.jit
 def _dr_prepare_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, r_ptr, m_ptr, w_ptr, u1_ptr, T, H, LVH, D, NC,
                        RESETS: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """Per (chunk, folded head): M = (I + A)⁻¹, U' = M diag(β) V, W = M diag(β e^b) K̂."""
@@ -136,7 +147,7 @@ def _dr_prepare_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, r_ptr, m_ptr, w_ptr, u1_pt
     tl.store(w_ptr + off, tl.dot(M, k * (beta * g0)[:, None], input_precision=PREC), mask=m2)
 
 
-@triton.autotune(configs=_configs(), key=["BT", "BD"])
+@triton.autotune(configs=_backend.sequential_configs(), key=["BT", "BD"])
 @triton.jit
 def _dr_states_kernel(k_ptr, g_ptr, r_ptr, w_ptr, u1_ptr, s0_ptr, hs_ptr, u_ptr, sf_ptr, T, H, LVH, D, NC,
                       HAS_INIT: tl.constexpr, RESETS: tl.constexpr, PREC: tl.constexpr,
@@ -145,11 +156,7 @@ def _dr_states_kernel(k_ptr, g_ptr, r_ptr, w_ptr, u1_ptr, s0_ptr, hs_ptr, u_ptr,
     U = U' − W S₀, and S ← e^{b_C} S + (diag(e^{b_C − b}) K̂)ᵀ U; then the final state."""
     n = tl.program_id(0).to(tl.int64)
     bidx, _ = _head(n, LVH, H, T, D)
-    rt, t, valid, rd, m2, off, smask, soff = _chunk(n, 0, T, D, BT, BD)
-    if HAS_INIT:
-        S = tl.load(s0_ptr + n * D * D + soff, mask=smask, other=0.0)
-    else:
-        S = tl.zeros([BD, BD], dtype=tl.float32)
+    S = _head_state(s0_ptr, n, D, BD, HAS_INIT)
     for c in range(NC):
         rt, t, valid, rd, m2, off, smask, soff = _chunk(n, c, T, D, BT, BD)
         tl.store(hs_ptr + (n * NC + c) * D * D + soff, S, mask=smask)
@@ -159,7 +166,7 @@ def _dr_states_kernel(k_ptr, g_ptr, r_ptr, w_ptr, u1_ptr, s0_ptr, hs_ptr, u_ptr,
         k = tl.load(k_ptr + off, mask=m2, other=0.0)
         E, g0, gC, gL = _decays(g_ptr, r_ptr, n, bidx, t, rt, valid, T, BT, RESETS)
         S = gL * S + tl.dot(tl.trans(k * gC[:, None]), u, input_precision=PREC)
-    tl.store(sf_ptr + n * D * D + soff, S, mask=smask)
+    _store_head_state(sf_ptr, n, D, BD, S)
 
 
 @triton.jit
@@ -180,7 +187,7 @@ def _dr_output_kernel(q_ptr, k_ptr, g_ptr, r_ptr, hs_ptr, u_ptr, y_ptr, T, H, LV
     tl.store(y_ptr + off, y, mask=m2)
 
 
-@triton.autotune(configs=_configs(), key=["BT", "BD"])
+@triton.autotune(configs=_backend.sequential_configs(), key=["BT", "BD"])
 @triton.jit
 def _dr_bwd_states_kernel(q_ptr, k_ptr, g_ptr, r_ptr, w_ptr, dy_ptr, dsf_ptr, dhs_ptr, du_ptr, ds0_ptr,
                           T, H, LVH, D, NC, HAS_DFINAL: tl.constexpr, RESETS: tl.constexpr,
@@ -190,11 +197,7 @@ def _dr_bwd_states_kernel(q_ptr, k_ptr, g_ptr, r_ptr, w_ptr, dy_ptr, dsf_ptr, dh
     dS ← e^{b_C} dS + (diag(e^b) Q̂)ᵀ dY − Wᵀ dU; then the start state's gradient."""
     n = tl.program_id(0).to(tl.int64)
     bidx, _ = _head(n, LVH, H, T, D)
-    rt, t, valid, rd, m2, off, smask, soff = _chunk(n, 0, T, D, BT, BD)
-    if HAS_DFINAL:
-        dS = tl.load(dsf_ptr + n * D * D + soff, mask=smask, other=0.0)
-    else:
-        dS = tl.zeros([BD, BD], dtype=tl.float32)
+    dS = _head_state(dsf_ptr, n, D, BD, HAS_DFINAL)
     for i in range(NC):
         c = NC - 1 - i
         rt, t, valid, rd, m2, off, smask, soff = _chunk(n, c, T, D, BT, BD)
@@ -209,7 +212,7 @@ def _dr_bwd_states_kernel(q_ptr, k_ptr, g_ptr, r_ptr, w_ptr, dy_ptr, dsf_ptr, dh
         tl.store(du_ptr + off, du, mask=m2)
         dS = (gL * dS + tl.dot(tl.trans(q * g0[:, None]), dy, input_precision=PREC)
               - tl.dot(tl.trans(w), du, input_precision=PREC))
-    tl.store(ds0_ptr + n * D * D + soff, dS, mask=smask)
+    _store_head_state(ds0_ptr, n, D, BD, dS)
 
 
 @triton.jit
@@ -285,12 +288,7 @@ def _dr_decode_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, r_ptr, s0_ptr, y_ptr
     bidx, voff = _head(n, LVH, H, T, D)
     rd = tl.arange(0, BD)
     dmask = rd < D
-    smask = dmask[:, None] & dmask[None, :]
-    soff = rd[:, None] * D + rd[None, :]
-    if HAS_INIT:
-        S = tl.load(s0_ptr + n * D * D + soff, mask=smask, other=0.0)
-    else:
-        S = tl.zeros([BD, BD], dtype=tl.float32)
+    S = _head_state(s0_ptr, n, D, BD, HAS_INIT)
     for t in range(T):
         if RESETS:
             S = tl.where(tl.load(r_ptr + bidx * T + t) != 0, 0.0, S)
@@ -301,7 +299,7 @@ def _dr_decode_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, r_ptr, s0_ptr, y_ptr
         recalled = tl.sum(k[:, None] * S, 0)
         S += (tl.load(beta_ptr + n * T + t) * k)[:, None] * (v - recalled)[None, :]
         tl.store(y_ptr + n * T * D + t * D + rd, tl.sum(q[:, None] * S, 0), mask=dmask)
-    tl.store(sf_ptr + n * D * D + soff, S, mask=smask)
+    _store_head_state(sf_ptr, n, D, BD, S)
 
 
 def _block_d(D: int) -> int:

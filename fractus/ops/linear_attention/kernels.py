@@ -46,12 +46,6 @@ def state_split(x: torch.Tensor) -> int:
     return {torch.float32: 0, torch.bfloat16: 16, torch.float16: 13}[x.dtype]
 
 
-def _configs():
-    """Autotune configs of the two sequential (chunk-loop) kernels; a single one in the interpreter."""
-    if _backend.interpreting():
-        return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
-
 
 # The parallel kernels have no loop to pipeline and hold many [BT, BD] fp32 tiles: compiled ahead
 # of time for sm_90 (python -m fractus.bench aot), 4 warps spill registers in bf16 and fp32; 8 warps
@@ -181,7 +175,7 @@ def _chunk_decays(lg_ptr, b, l, h, t, rt, L, sb, st, sl, sh, PER_POS: tl.constex
     return gq, gk, gL, M
 
 
-@triton.autotune(configs=_configs(), key=["BT", "BD"])
+@triton.autotune(configs=_backend.sequential_configs(), key=["BT", "BD"])
 @triton.jit
 def _la_states_kernel(k_ptr, v_ptr, om_ptr, lg_ptr, s0_ptr, z0_ptr, hs_ptr, zs_ptr, sf_ptr, zf_ptr,
                       T, H, D, NC, sb, st, sl, sh, LV: tl.constexpr, PER_POS: tl.constexpr,
@@ -274,7 +268,7 @@ def _out_grads(do, y, den_ptr, n, T, t, tmask, wl, eps, NORM: tl.constexpr):
     return do * wl, tl.zeros_like(tl.sum(do, 1))
 
 
-@triton.autotune(configs=_configs(), key=["BT", "BD"])
+@triton.autotune(configs=_backend.sequential_configs(), key=["BT", "BD"])
 @triton.jit
 def _la_bwd_states_kernel(q_ptr, do_ptr, y_ptr, den_ptr, w_ptr, om_ptr, lg_ptr, dsf_ptr, dzf_ptr,
                           dhs_ptr, dzs_ptr, ds0_ptr, dz0_ptr, B, T, H, D, NC, eps, sb, st, sl, sh,
