@@ -283,7 +283,9 @@ def _run_timings():
         with torch.no_grad():
             cases.attention("triton", *cases.timed_attention(recurrence, 1, 1, shape["H"], shape["D"],
                                                              shape["levels"], grad=False))
-    for T in cases.ATTENTION_TS:  # the gated delta rule at the same shape
+    # the gated delta rule at the same shape, at the first length only: the others specialise alike
+    # (T and the chunk count all divisible by 16), and its fp32 intermediates at 8,192 take GBs
+    for T in cases.ATTENTION_TS[:1]:
         inputs = cases.delta_case(T=T, dtype=torch.bfloat16, **shape)[:7]
         with torch.no_grad():
             cases.delta("triton", *inputs)

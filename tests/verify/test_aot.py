@@ -32,7 +32,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
             assert set(g["dtype"]) == dtypes, (op, name)
     timed = rows[rows["op"] == "extra[timings]"]  # the GPU suite's timed launches, in bf16
     assert set(timed["kernel"]) <= set().union(*map(aot.kernel_names, OPS))
-    assert {"_la_out_kernel", "_la_decode_kernel", "_dr_bwd_grads_kernel", "_dr_decode_kernel", "_lr_fwd_kernel",
+    assert {"_la_out_kernel", "_la_decode_kernel", "_dr_bwd_solve_kernel", "_dr_decode_kernel", "_lr_fwd_kernel",
             "_lce_fwd_kernel"} <= set(timed["kernel"])
     model = rows[rows["op"] == "model[palier0]"]  # a bf16 training step and a decode step
     clock = model["kernel"].str.startswith("_kuramoto")  # the clock runs in fp32 under autocast

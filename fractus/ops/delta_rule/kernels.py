@@ -21,7 +21,8 @@ Forward: a parallel pass for M, U', W (:func:`_dr_prepare_kernel`), the sequenti
 for U and each chunk's start state (:func:`_dr_states_kernel`), a parallel pass for y
 (:func:`_dr_output_kernel`). Backward: the sequential reverse pass for dU and the state gradient at
 each chunk's end (:func:`_dr_bwd_states_kernel`), then every input's gradient chunk by chunk in
-parallel (:func:`_dr_bwd_grads_kernel`). A one-launch decode kernel runs T ≤ 16 without autograd,
+two parallel passes: through the output and the end state (:func:`_dr_bwd_output_kernel`), then
+through the triangular solve (:func:`_dr_bwd_solve_kernel`). A one-launch decode kernel runs T ≤ 16 without autograd,
 one position at a time.
 """
 from __future__ import annotations
@@ -216,67 +217,75 @@ def _dr_bwd_states_kernel(q_ptr, k_ptr, g_ptr, r_ptr, w_ptr, dy_ptr, dsf_ptr, dh
 
 
 @triton.jit
-def _dr_bwd_grads_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, r_ptr, m_ptr, w_ptr, u1_ptr, u_ptr, hs_ptr,
-                         dhs_ptr, du_ptr, dy_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
-                         T, H, LVH, D, NC, RESETS: tl.constexpr, PREC: tl.constexpr,
-                         BT: tl.constexpr, BD: tl.constexpr):
-    """Per (chunk, folded head), from the chunk's start state S₀, the gradient dS of its end state
-    and dU: the gradients of q̂, k̂, v (this level's share), β and g. The log-decays enter through
-    b alone, so db (the gradient of each b_t) is gathered term by term and dg_j = Σ_{t ≥ j} db_t."""
+def _dr_bwd_output_kernel(q_ptr, k_ptr, g_ptr, r_ptr, u_ptr, hs_ptr, dhs_ptr, dy_ptr, dq_ptr, dk_ptr, db_ptr,
+                          T, H, LVH, D, NC, RESETS: tl.constexpr, PREC: tl.constexpr,
+                          BT: tl.constexpr, BD: tl.constexpr):
+    """Per (chunk, folded head), the gradients through the output y = diag(e^b) Q̂ S₀ + (Q̂K̂ᵀ ⊙ E) U
+    and the end state e^{b_C} S₀ + (diag(e^{b_C − b}) K̂)ᵀ U, from dY and the gradient dS of the end
+    state: dq̂ whole, and k̂'s and b's shares (db: the gradient of each b_t, the log-decays summed
+    from the chunk's start). :func:`_dr_bwd_solve_kernel` adds the rest: one kernel doing both
+    held too many tiles at once and spilled registers."""
+    c = tl.program_id(0)
+    n = tl.program_id(1).to(tl.int64)
+    bidx, _ = _head(n, LVH, H, T, D)
+    rt, t, valid, rd, m2, off, smask, soff = _chunk(n, c, T, D, BT, BD)
+    q = tl.load(q_ptr + off, mask=m2, other=0.0)
+    k = tl.load(k_ptr + off, mask=m2, other=0.0)
+    u = tl.load(u_ptr + off, mask=m2, other=0.0)
+    dy = tl.load(dy_ptr + off, mask=m2, other=0.0)
+    S0 = tl.load(hs_ptr + (n * NC + c) * D * D + soff, mask=smask, other=0.0)
+    dS = tl.load(dhs_ptr + (n * NC + c) * D * D + soff, mask=smask, other=0.0)
+    E, g0, gC, gL = _decays(g_ptr, r_ptr, n, bidx, t, rt, valid, T, BT, RESETS)
+    P = tl.dot(dy, tl.trans(u), input_precision=PREC) * E  # the gradient of Q̂K̂ᵀ
+    dq = tl.dot(dy, tl.trans(S0), input_precision=PREC) * g0[:, None] + tl.dot(P, k, input_precision=PREC)
+    dk = tl.dot(tl.trans(P), q, input_precision=PREC) + tl.dot(u, tl.trans(dS), input_precision=PREC) * gC[:, None]
+    G = P * tl.dot(q, tl.trans(k), input_precision=PREC)
+    ec = tl.sum(tl.dot(k, dS, input_precision=PREC) * u, 1) * gC
+    db = tl.sum(dy * tl.dot(q, S0, input_precision=PREC), 1) * g0 + tl.sum(G, 1) - tl.sum(G, 0) - ec
+    db += tl.where(rt == BT - 1, gL * tl.sum(tl.sum(dS * S0, 1), 0) + tl.sum(ec, 0), 0.0)  # b_C's
+    tl.store(dq_ptr + off, dq, mask=m2)
+    tl.store(dk_ptr + off, dk, mask=m2)
+    tl.store(db_ptr + n * NC * BT + c * BT + rt, db)
+
+
+@triton.jit
+def _dr_bwd_solve_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, r_ptr, m_ptr, w_ptr, u1_ptr, hs_ptr, du_ptr, db_ptr,
+                         dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, T, H, LVH, D, NC, RESETS: tl.constexpr,
+                         PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Per (chunk, folded head), the gradients through U = U' − W S₀, U' = M diag(β) V,
+    W = M diag(β e^b) K̂, M = (I + A)⁻¹: dY = Mᵀ dX and dA = −Mᵀ (dU' (β V)ᵀ + dW (β e^b K̂)ᵀ) Mᵀ
+    = −(dY₁ U'ᵀ + dY₂ Wᵀ), into k̂ (added to the output's share), v (this level's share), β and b;
+    then dg_j = Σ_{t ≥ j} db_t (the log-decays enter through their sums b alone)."""
     c = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     bidx, voff = _head(n, LVH, H, T, D)
     rt, t, valid, rd, m2, off, smask, soff = _chunk(n, c, T, D, BT, BD)
-    q = tl.load(q_ptr + off, mask=m2, other=0.0)
     k = tl.load(k_ptr + off, mask=m2, other=0.0)
     v = tl.load(v_ptr + voff + t.to(tl.int64)[:, None] * D + rd[None, :], mask=m2, other=0.0)
     beta = tl.load(beta_ptr + n * T + t, mask=valid, other=0.0)
-    w = tl.load(w_ptr + off, mask=m2, other=0.0)
-    u1 = tl.load(u1_ptr + off, mask=m2, other=0.0)
-    u = tl.load(u_ptr + off, mask=m2, other=0.0)
     du = tl.load(du_ptr + off, mask=m2, other=0.0)
-    dy = tl.load(dy_ptr + off, mask=m2, other=0.0)
     S0 = tl.load(hs_ptr + (n * NC + c) * D * D + soff, mask=smask, other=0.0)
-    dS = tl.load(dhs_ptr + (n * NC + c) * D * D + soff, mask=smask, other=0.0)
     M = tl.load(m_ptr + (n * NC + c) * BT * BT + rt[:, None] * BT + rt[None, :])
     E, g0, gC, gL = _decays(g_ptr, r_ptr, n, bidx, t, rt, valid, T, BT, RESETS)
     strict = rt[:, None] > rt[None, :]
-
-    # the output y = diag(e^b) Q̂ S₀ + (Q̂K̂ᵀ ⊙ E) U
-    P = tl.dot(dy, tl.trans(u), input_precision=PREC) * E  # the gradient of Q̂K̂ᵀ
-    dq = tl.dot(dy, tl.trans(S0), input_precision=PREC) * g0[:, None] + tl.dot(P, k, input_precision=PREC)
-    dk = tl.dot(tl.trans(P), q, input_precision=PREC)
-    G = P * tl.dot(q, tl.trans(k), input_precision=PREC)
-    db = (tl.sum(dy * tl.dot(q, S0, input_precision=PREC), 1) * g0 + tl.sum(G, 1) - tl.sum(G, 0))
-    # the end state e^{b_C} S₀ + (diag(e^{b_C − b}) K̂)ᵀ U
-    dk += tl.dot(u, tl.trans(dS), input_precision=PREC) * gC[:, None]
-    ec = tl.sum(tl.dot(k, dS, input_precision=PREC) * u, 1) * gC
-    db -= ec
-    dbC = gL * tl.sum(tl.sum(dS * S0, 1), 0) + tl.sum(ec, 0)
-    db += tl.where(rt == BT - 1, dbC, 0.0)
-    # U = U' − W S₀ with U' = M diag(β) V, W = M diag(β e^b) K̂, M = (I + A)⁻¹: dY = Mᵀ dX, and
-    # dA = −Mᵀ (dU' (β V)ᵀ + dW (β e^b K̂)ᵀ) Mᵀ = −(dY₁ U'ᵀ + dY₂ Wᵀ)
     dY1 = tl.dot(tl.trans(M), du, input_precision=PREC)
     dY2 = -tl.dot(tl.trans(M), tl.dot(du, tl.trans(S0), input_precision=PREC), input_precision=PREC)
-    dA = -(tl.dot(dY1, tl.trans(u1), input_precision=PREC) + tl.dot(dY2, tl.trans(w), input_precision=PREC))
+    dA = -(tl.dot(dY1, tl.trans(tl.load(u1_ptr + off, mask=m2, other=0.0)), input_precision=PREC)
+           + tl.dot(dY2, tl.trans(tl.load(w_ptr + off, mask=m2, other=0.0)), input_precision=PREC))
     KE = tl.where(strict, tl.dot(k, tl.trans(k), input_precision=PREC) * E, 0.0)
     dA = tl.where(strict, dA, 0.0)
-    dbeta = tl.sum(dA * KE, 1) + tl.sum(dY1 * v, 1)
-    dKK = dA * E * beta[:, None]
-    dk += tl.dot(dKK, k, input_precision=PREC) + tl.dot(tl.trans(dKK), k, input_precision=PREC)
-    GA = dA * KE * beta[:, None]
-    db += tl.sum(GA, 1) - tl.sum(GA, 0)
     bg = beta * g0
     k2 = tl.sum(dY2 * k, 1)
-    dbeta += k2 * g0
-    dk += dY2 * bg[:, None]
-    db += k2 * bg
-    dg = tl.cumsum(db, 0, reverse=True)
-    tl.store(dq_ptr + off, dq, mask=m2)
+    dbeta = tl.sum(dA * KE, 1) + tl.sum(dY1 * v, 1) + k2 * g0
+    dKK = dA * E * beta[:, None]
+    dk = (tl.load(dk_ptr + off, mask=m2, other=0.0) + tl.dot(dKK, k, input_precision=PREC)
+          + tl.dot(tl.trans(dKK), k, input_precision=PREC) + dY2 * bg[:, None])
+    GA = dA * KE * beta[:, None]
+    db = tl.load(db_ptr + n * NC * BT + c * BT + rt) + tl.sum(GA, 1) - tl.sum(GA, 0) + k2 * bg
     tl.store(dk_ptr + off, dk, mask=m2)
     tl.store(dv_ptr + off, dY1 * beta[:, None], mask=m2)
     tl.store(dbeta_ptr + n * T + t, dbeta, mask=valid)
-    tl.store(dg_ptr + n * T + t, dg, mask=valid)
+    tl.store(dg_ptr + n * T + t, tl.cumsum(db, 0, reverse=True), mask=valid)
 
 
 @triton.jit
@@ -347,8 +356,11 @@ class _TritonDeltaRule(torch.autograd.Function):
                                     dhs, du, ds0, **shape, HAS_DFINAL=dsf is not None, **flags)
         dq, dk, dv = (_backend.empty(N, T, D, dtype=torch.float32, device=dev) for _ in range(3))
         dbeta, dg = (_backend.empty(N, T, dtype=torch.float32, device=dev) for _ in range(2))
-        _dr_bwd_grads_kernel[(NC, N)](fq, fk, v, beta, g, r, M, W, U1, U, hs, dhs, du, dy, dq, dk, dv, dbeta, dg,
-                                      **shape, **flags, num_warps=_PARALLEL_WARPS)
+        db = _backend.empty(N, NC * ctx.flags["BT"], dtype=torch.float32, device=dev)
+        _dr_bwd_output_kernel[(NC, N)](fq, fk, g, r, U, hs, dhs, dy, dq, dk, db, **shape, **flags,
+                                       num_warps=_PARALLEL_WARPS)
+        _dr_bwd_solve_kernel[(NC, N)](fk, v, beta, g, r, M, W, U1, hs, du, db, dk, dv, dbeta, dg, **shape, **flags,
+                                      num_warps=_PARALLEL_WARPS)
         B, H = v.shape[:2]
         dv = dv.view(B, -1, H, T, D)
         dv = dv[:, 0] if dv.shape[1] == 1 else dv.sum(1)  # the levels share v
