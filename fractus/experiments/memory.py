@@ -455,7 +455,7 @@ def recall_grid(csv, models=tuple(RECALL_BY_NAME), seeds=(0, 1, 2), wide: int | 
     (:data:`KIN`) or the default's), the swept ones first; then the swept ones at width ``wide``
     (None: not) at the rate swept at the first width. Trains what ``csv`` lacks (``kw``: :func:`run_recall`'s;
     ``max_steps`` :data:`MAX_STEPS` unless given); returns {model: rate}."""
-    kw = {"max_steps": MAX_STEPS, **kw}  # the seeds' runs train on until they settle, up to the ceiling
+    kw = {"max_steps": MAX_STEPS, **kw}  # a run not settled trains again at twice the steps, up to this
     swept = [m for m in swept if m in models]
     best = sweep(swept, csv, rates, start, **kw)
     unswept = {m: KIN.get(m, "default") for m in models if m not in best}

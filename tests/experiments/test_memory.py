@@ -167,8 +167,8 @@ def test_the_recall_grid_sweeps_then_seeds_then_widens(tmp_path):
 
 
 def test_the_recall_grid_trains_the_seeds_until_they_settle_by_default(monkeypatch):
-    """Without ``max_steps`` the seeds' runs may double up to MAX_STEPS (the sweep keeps its first
-    budget): a grid that stopped unsettled runs at the first budget would read them unsettled."""
+    """Without ``max_steps`` the grid's runs from each seed may double their budget up to
+    MAX_STEPS (the sweep keeps its first budget); a ``max_steps`` given is kept."""
     calls = []
     monkeypatch.setattr(M, "sweep", lambda models, csv, rates, start, **kw: calls.append(("sweep", kw)) or
                         dict.fromkeys(models, 1e-2))

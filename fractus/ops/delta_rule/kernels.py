@@ -112,6 +112,17 @@ def _head(n, LVH, H, T, D):
 
 
 @triton.jit
+def _program(T, H, LVH, D, BT: tl.constexpr, BD: tl.constexpr):
+    """A parallel kernel's program (chunk c, folded head n) of its (NC, N) grid: c, n, the batch
+    index and v's row offset (:func:`_head`), then :func:`_chunk`'s indices."""
+    c = tl.program_id(0)
+    n = tl.program_id(1).to(tl.int64)
+    bidx, voff = _head(n, LVH, H, T, D)
+    rt, t, valid, rd, m2, off, smask, soff = _chunk(n, c, T, D, BT, BD)
+    return c, n, bidx, voff, rt, t, valid, rd, m2, off, smask, soff
+
+
+@triton.jit
 def _head_state(s_ptr, n, D, BD: tl.constexpr, PRESENT: tl.constexpr):
     """Folded head n's D×D matrix of an [N, D, D] buffer as a [BD, BD] tile, or zeros."""
     rd = tl.arange(0, BD)
@@ -132,10 +143,7 @@ def _store_head_state(s_ptr, n, D, BD: tl.constexpr, S):
 def _dr_prepare_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, r_ptr, m_ptr, w_ptr, u1_ptr, T, H, LVH, D, NC,
                        RESETS: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """Per (chunk, folded head): M = (I + A)⁻¹, U' = M diag(β) V, W = M diag(β e^b) K̂."""
-    c = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    bidx, voff = _head(n, LVH, H, T, D)
-    rt, t, valid, rd, m2, off, smask, soff = _chunk(n, c, T, D, BT, BD)
+    c, n, bidx, voff, rt, t, valid, rd, m2, off, smask, soff = _program(T, H, LVH, D, BT, BD)
     k = tl.load(k_ptr + off, mask=m2, other=0.0)
     v = tl.load(v_ptr + voff + t.to(tl.int64)[:, None] * D + rd[None, :], mask=m2, other=0.0)
     beta = tl.load(beta_ptr + n * T + t, mask=valid, other=0.0)
@@ -174,10 +182,7 @@ def _dr_states_kernel(k_ptr, g_ptr, r_ptr, w_ptr, u1_ptr, s0_ptr, hs_ptr, u_ptr,
 def _dr_output_kernel(q_ptr, k_ptr, g_ptr, r_ptr, hs_ptr, u_ptr, y_ptr, T, H, LVH, D, NC,
                       RESETS: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """Per (chunk, folded head): y = diag(e^b) Q̂ S₀ + (Q̂K̂ᵀ ⊙ E) U."""
-    c = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    bidx, _ = _head(n, LVH, H, T, D)
-    rt, t, valid, rd, m2, off, smask, soff = _chunk(n, c, T, D, BT, BD)
+    c, n, bidx, voff, rt, t, valid, rd, m2, off, smask, soff = _program(T, H, LVH, D, BT, BD)
     q = tl.load(q_ptr + off, mask=m2, other=0.0)
     k = tl.load(k_ptr + off, mask=m2, other=0.0)
     u = tl.load(u_ptr + off, mask=m2, other=0.0)
@@ -225,10 +230,7 @@ def _dr_bwd_output_kernel(q_ptr, k_ptr, g_ptr, r_ptr, u_ptr, hs_ptr, dhs_ptr, dy
     state: dq̂ whole, and k̂'s and b's shares (db: the gradient of each b_t, the log-decays summed
     from the chunk's start). :func:`_dr_bwd_solve_kernel` adds the rest: one kernel doing both
     held too many tiles at once and spilled registers."""
-    c = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    bidx, _ = _head(n, LVH, H, T, D)
-    rt, t, valid, rd, m2, off, smask, soff = _chunk(n, c, T, D, BT, BD)
+    c, n, bidx, voff, rt, t, valid, rd, m2, off, smask, soff = _program(T, H, LVH, D, BT, BD)
     q = tl.load(q_ptr + off, mask=m2, other=0.0)
     k = tl.load(k_ptr + off, mask=m2, other=0.0)
     u = tl.load(u_ptr + off, mask=m2, other=0.0)
@@ -256,10 +258,7 @@ def _dr_bwd_solve_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, r_ptr, m_ptr, w_ptr, u1_
     W = M diag(β e^b) K̂, M = (I + A)⁻¹: dY = Mᵀ dX and dA = −Mᵀ (dU' (β V)ᵀ + dW (β e^b K̂)ᵀ) Mᵀ
     = −(dY₁ U'ᵀ + dY₂ Wᵀ), into k̂ (added to the output's share), v (this level's share), β and b;
     then dg_j = Σ_{t ≥ j} db_t (the log-decays enter through their sums b alone)."""
-    c = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    bidx, voff = _head(n, LVH, H, T, D)
-    rt, t, valid, rd, m2, off, smask, soff = _chunk(n, c, T, D, BT, BD)
+    c, n, bidx, voff, rt, t, valid, rd, m2, off, smask, soff = _program(T, H, LVH, D, BT, BD)
     k = tl.load(k_ptr + off, mask=m2, other=0.0)
     v = tl.load(v_ptr + voff + t.to(tl.int64)[:, None] * D + rd[None, :], mask=m2, other=0.0)
     beta = tl.load(beta_ptr + n * T + t, mask=valid, other=0.0)
