@@ -11,7 +11,7 @@ Three measurements, each for the CTE models and the Transformer++ (notebook ``08
   sequences of key–value pairs followed by queries of the keys; :func:`train_recall` trains a model
   on them and scores its accuracy on held-out sequences at the queried positions only;
   :func:`recall_grid` is the experiment (command ``grid``): the rate swept on seed 0 until each
-  swept model's best is bracketed, every model from three seeds at its rate, the swept ones wider.
+  swept model's best is bracketed, every model from three seeds at its rate, three of them wider.
 
 Shapes: B sequences, T positions, V vocabulary.
 """
@@ -403,16 +403,40 @@ def sweep_score(rows: pd.DataFrame) -> pd.Series:
     return settled_reading(rows).groupby("lr")["accuracy"].mean()
 
 
-def next_rate(scores: dict, rates=SWEEP_RATES, start=SWEEP_START) -> float | None:
-    """The rate a sweep tries next, given the ``scores`` ({rate: score}) of those tried: the two of
-    ``start`` first, then the untried neighbour on ``rates``' grid of the best so far (the lower one
-    first), until the best has a tried neighbour on each side (or the grid's end): None then. So
-    the sweep stops once its best is bracketed by two worse rates, without the far ends."""
+def left_chance(rows: pd.DataFrame) -> pd.Series:
+    """Whether each rate's run has learnt the task at all, by rate (``rows``: one model's rows, one
+    seed, each run at its last budget): its accuracy on every setting it was trained on is at least
+    twice the chance of naming one of the D values in the context (2 / D). A flat curve at chance
+    passes the convergence rule; this tells it apart from a task learnt."""
+    if rows.empty:
+        return pd.Series(dtype=bool)
+    read = settled_reading(rows)
+    trained = read[read["trained_on"]] if read["trained_on"].any() else read
+    return (trained["accuracy"] >= 2 / trained["pairs"]).groupby(trained["lr"]).all()
+
+
+def _rank(scores: dict, learnt: dict):
+    """The order of rates in a sweep: a run that left chance above one that did not, then the
+    higher score, then (a tie) the lower rate."""
+    return lambda r: (learnt.get(r, True), scores[r], -r)
+
+
+def next_rate(scores: dict, rates=SWEEP_RATES, start=SWEEP_START, learnt: dict | None = None) -> float | None:
+    """The rate a sweep tries next, given the ``scores`` ({rate: score}) of those tried and whether
+    each one's run left chance (``learnt``: {rate: bool}, :func:`left_chance`; a rate missing
+    counts as learnt): the rates of ``start`` first — except one above a rate at which the model
+    did not learn the task (a rate too high to learn at is not made higher) — then the untried
+    neighbour on ``rates``' grid of the best so far (the lower one first; a run that did not learn
+    ranks below every run that did), until the best has a tried neighbour on each side (or the
+    grid's end): None then. So the sweep stops once its best is bracketed by two worse rates,
+    without the far ends."""
     scores = {r: v for r, v in scores.items() if r in rates}
+    learnt = learnt or {}
+    failed = [r for r in scores if not learnt.get(r, True)]
     for r in start:
-        if r not in scores:
+        if r not in scores and not any(r > f for f in failed):
             return r
-    best = rates.index(max(scores, key=lambda r: (scores[r], -r)))  # a tie goes to the lower rate
+    best = rates.index(max(scores, key=_rank(scores, learnt)))
     for i in (best - 1, best + 1):
         if 0 <= i < len(rates) and rates[i] not in scores:
             return rates[i]
@@ -420,13 +444,15 @@ def next_rate(scores: dict, rates=SWEEP_RATES, start=SWEEP_START) -> float | Non
 
 
 def swept_rate(rows: pd.DataFrame, rates=SWEEP_RATES) -> float:
-    """The sweep's best rate for one model's seed-0 ``rows`` (:func:`sweep_score`)."""
-    scores = sweep_score(rows[rows["lr"].isin(rates)])
-    return float(max(scores.index, key=lambda r: (scores[r], -r)))
+    """The sweep's best rate for one model's seed-0 ``rows`` (:func:`sweep_score`, :func:`left_chance`)."""
+    rows = rows[rows["lr"].isin(rates)]
+    scores, learnt = sweep_score(rows).to_dict(), left_chance(rows).to_dict()
+    return float(max(scores, key=_rank(scores, learnt)))
 
 
-SWEPT = ("default", "default + delta rule", "transformer + short conv")  # the models whose rate is swept
-KIN = {"transformer": "transformer + short conv"}  # a model not swept trains at its kin's rate, else the default's
+# the models whose rate is swept (the others train at the default's), and those also trained wider
+SWEPT = ("default", "default + delta rule", "transformer + short conv", "transformer")
+WIDENED = ("default", "default + delta rule", "transformer + short conv")
 
 
 def sweep(models, csv, rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
@@ -438,35 +464,37 @@ def sweep(models, csv, rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
     def tried(rows, m):
         return rows[(rows["model"] == m) & (rows["seed"] == 0) & (rows["d_model"] == width)
                     & (rows["vocab"] == vocab) & (rows["steps"] == steps)]
+
+    def propose(rows):
+        return next_rate(sweep_score(rows).to_dict(), rates, start, left_chance(rows).to_dict())
+
     while True:
         rows = read_recall(csv)
-        todo = [(m, r, 0) for m in models
-                if (r := next_rate(sweep_score(tried(rows, m)).to_dict(), rates, start)) is not None]
+        todo = [(m, r, 0) for m in models if (r := propose(tried(rows, m))) is not None]
         if not todo:
             return {m: swept_rate(tried(rows, m), rates) for m in models}
         run_recall(todo, csv, **{**kw, "max_steps": steps})
 
 
 def recall_grid(csv, models=tuple(RECALL_BY_NAME), seeds=(0, 1, 2), wide: int | None = 128, swept=SWEPT,
-                rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
+                widened=WIDENED, rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
     """The recall experiment: the rate of each model of ``swept`` swept on seed 0 at the first
     budget (:func:`sweep`), then every model of ``models`` from ``seeds`` at its rate, each run
-    trained until it settles (:func:`run_recall`) (its own if swept, else its kin's
-    (:data:`KIN`) or the default's), the swept ones first; then the swept ones at width ``wide``
-    (None: not) at the rate swept at the first width. Trains what ``csv`` lacks (``kw``: :func:`run_recall`'s;
-    ``max_steps`` :data:`MAX_STEPS` unless given); returns {model: rate}."""
+    trained until it settles (:func:`run_recall`) (its own if swept, else the default's), the
+    swept ones first; then those of ``widened`` at width ``wide`` (None: not) at the rate swept at
+    the first width. Trains what ``csv`` lacks (``kw``: :func:`run_recall`'s; ``max_steps``
+    :data:`MAX_STEPS` unless given); returns {model: rate}."""
     kw = {"max_steps": MAX_STEPS, **kw}  # a run not settled trains again at twice the steps, up to this
     swept = [m for m in swept if m in models]
     best = sweep(swept, csv, rates, start, **kw)
-    unswept = {m: KIN.get(m, "default") for m in models if m not in best}
-    if set(unswept.values()) - set(best):
-        raise ValueError(f"{sorted(unswept)} train at the rate of {sorted(set(unswept.values()) - set(best))}: "
-                         "sweep those too")
-    best |= {m: best[kin] for m, kin in unswept.items()}
+    unswept = [m for m in models if m not in best]
+    if unswept and "default" not in best:
+        raise ValueError(f"{unswept} train at the default's rate: sweep the default too")
+    best |= {m: best["default"] for m in unswept}
     order = swept + [m for m in models if m not in swept]
     run_recall([(m, best[m], s) for m in order for s in seeds], csv, **kw)
     if wide:
-        run_recall([(m, best[m], s) for m in swept for s in seeds], csv, **{**kw, "d_model": wide})
+        run_recall([(m, best[m], s) for m in widened if m in models for s in seeds], csv, **{**kw, "d_model": wide})
     return best
 
 
@@ -502,7 +530,7 @@ def main(argv=None) -> None:
     r.add_argument("--max-steps", type=positive_int, default=MAX_STEPS, help="the ceiling of the doubled budgets")
     r.add_argument("--d-model", type=positive_int, default=64)
     g = sub.add_parser("grid", help="the whole experiment: each swept model's rate bracketed on seed 0, every "
-                                    "model from each seed at its rate, the swept ones wider")
+                                    "model from each seed at its rate, three of them wider")
     g.add_argument("--models", nargs="+", default=list(RECALL_BY_NAME), help=f"from {list(RECALL_BY_NAME)}")
     g.add_argument("--seeds", nargs="+", type=seed_number, default=[0, 1, 2])
     g.add_argument("--wide", type=natural, default=128,

@@ -145,14 +145,37 @@ def test_the_rate_sweep_stops_once_its_best_is_bracketed():
     assert M.next_rate({1e-2: 0.5, 3e-2: 0.6, 5e-2: 0.9, 1e-1: 0.4}) is None  # off the grid: not read
 
 
+def test_the_rate_sweep_goes_down_from_a_rate_the_model_did_not_learn_at():
+    stuck = {1e-2: False}
+    assert M.next_rate({1e-2: 0.07}, learnt=stuck) == 3e-3  # 3e-2, a start rate above it, not tried
+    assert M.next_rate({1e-2: 0.07, 3e-3: 0.5}, learnt=stuck) == 1e-3
+    assert M.next_rate({1e-2: 0.07, 3e-3: 0.5, 1e-3: 0.4}, learnt=stuck) is None  # bracketed
+    # a run that did not learn ranks below every run that did, whatever its score
+    assert M.next_rate({1e-2: 0.3, 3e-2: 0.2}, learnt={1e-2: False, 3e-2: True}) == 1e-1
+    assert M.next_rate({1e-2: 0.3, 3e-2: 0.2, 1e-1: 0.1}, learnt={1e-2: False, 3e-2: True}) is None
+
+
+def test_a_run_left_chance_when_it_beats_twice_the_in_context_guess_on_what_it_trained_on():
+    def run(lr, trained, other):
+        return [dict(model="m", lr=lr, seed=0, d_model=64, vocab=512, steps=6000, seq_len=256, pairs=16,
+                     trained_on=True, accuracy=trained),
+                dict(model="m", lr=lr, seed=0, d_model=64, vocab=512, steps=6000, seq_len=1024, pairs=128,
+                     trained_on=False, accuracy=other)]
+    rows = pd.DataFrame(run(1e-2, 0.07, 0.0) + run(3e-3, 2 / 16, 0.0) + run(1e-3, 0.124, 0.9))
+    assert M.left_chance(rows).to_dict() == {1e-3: False, 3e-3: True, 1e-2: False}  # untrained settings not read
+    assert M.swept_rate(rows) == 3e-3  # the only run that learnt, not the highest score
+    # no setting trained on: every setting read, and none left chance on all of them: the best score
+    assert M.swept_rate(rows.assign(trained_on=False)) == 1e-3
+
+
 def test_the_recall_grid_sweeps_then_seeds_then_widens(tmp_path):
     csv, log = tmp_path / "recall_cpu.csv", []
     kw = dict(d_model=32, steps=4, max_steps=8, vocab=32, batch=8, n_test=20, mix=((12, 2), (16, 3)),
               tests=((16, 3), (24, 4)), curve_points=2, n_probe=10, workers=1, log=log.append)
-    models = ("default", "transformer + short conv", "transformer")
+    models = ("default", "transformer + short conv", "default − window")
     best = M.recall_grid(csv, models, seeds=(0, 1), wide=64, rates=(3e-3, 1e-2), start=(3e-3,), **kw)
     rows = M.read_recall(csv)
-    assert best["transformer"] == best["transformer + short conv"]  # its kin's rate
+    assert best["default − window"] == best["default"]  # a model not swept trains at the default's rate
     for m in ("default", "transformer + short conv"):  # both rates tried on seed 0, the best is the higher score
         swept = rows[(rows.model == m) & (rows.seed == 0) & (rows.d_model == 32)]
         assert set(swept["lr"]) == {3e-3, 1e-2} and best[m] == M.swept_rate(swept[swept.steps == 4], (3e-3, 1e-2))
