@@ -82,16 +82,6 @@ def cpu_rows(smoke: bool = False) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- GPU
-def _fla_status():
-    """(fla's wrapper or None, a note saying which fla it is or why it is absent)."""
-    try:
-        return cases.fla_delta_rule()
-    except ImportError as exc:
-        return None, f"not installed ({exc})"
-    except Exception as exc:  # installed but failing at import: recorded
-        return None, f"failed at import: {type(exc).__name__}: {exc}"[:300]
-
-
 def _timed_case(shape, device):
     def setup(T):
         inputs = delta_case(T=T, dtype=torch.bfloat16, device=device, **shape)[:7]
@@ -126,7 +116,7 @@ def gpu_benches(smoke: bool = False) -> list[harness.Bench]:
     the decode step."""
     device, shape, Ts = ("cpu", SMOKE_GPU, (40,)) if smoke else ("cuda", cases.ATTENTION_GPU, cases.ATTENTION_TS)
     timing = harness.Timing(warmup=1, reps=2)  # CPU (smoke); CUDA: do_bench's own
-    fla, fla_note = _fla_status()
+    fla, fla_note = harness.peer(cases.fla_delta_rule)
     absent = {"fla": fla_note} if fla is None else {}
     B, H, D, Lv = (shape[k] for k in ("B", "H", "D", "levels"))
     elt = torch.finfo(torch.bfloat16).bits // 8

@@ -162,6 +162,18 @@ class _Point:
         return self.memory if metric == "memory" else self.checks.get(metric)
 
 
+def peer(load) -> tuple:
+    """A peer library's wrapper for a bench: ``load()`` gives (wrapper, a note naming its version);
+    (None, why) when it is not installed or fails at import (e.g. probing the device), so that the
+    bench records the reason in its rows instead of failing."""
+    try:
+        return load()
+    except ImportError as exc:
+        return None, f"not installed ({exc})"
+    except Exception as exc:  # installed but failing at import: recorded
+        return None, f"failed at import: {type(exc).__name__}: {exc}"[:300]
+
+
 def _failure(exc: Exception) -> str:
     if isinstance(exc, ImportError):
         return f"not installed ({exc})"

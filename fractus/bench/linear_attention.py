@@ -117,16 +117,6 @@ def _min_bytes(B, T, H, D, levels, elt, backward=False, state=False):
     return (11 if backward else 4) * B * T * H * D * elt + (8 * B * levels * H * D * (D + 1) if state else 0)
 
 
-def _fla_status():
-    """(fla's wrapper or None, a note saying which fla it is or why it is absent)."""
-    try:
-        return cases.fla_attention()
-    except ImportError as exc:
-        return None, f"not installed ({exc})"
-    except Exception as exc:  # installed but failing at import (e.g. probing the device): recorded
-        return None, f"failed at import: {type(exc).__name__}: {exc}"[:300]
-
-
 def _timed_case(recurrence, shape, device):
     """x = T → (the timed inputs, the forward's truth: the PyTorch path in fp32 inside, with and
     without its denominator)."""
@@ -167,7 +157,7 @@ def gpu_benches(smoke: bool = False) -> list[harness.Bench]:
     recurrence's Triton row with the target (≥ 10×)."""
     device, shape, Ts = ("cpu", SMOKE_GPU, (40,)) if smoke else ("cuda", cases.ATTENTION_GPU, cases.ATTENTION_TS)
     timing = harness.Timing(warmup=1, reps=2)  # CPU (smoke); CUDA: do_bench's own
-    fla, fla_note = _fla_status()
+    fla, fla_note = harness.peer(cases.fla_attention)
     absent = {"fla": fla_note, "fla_numerator": fla_note} if fla is None else {}
     fla_missing = fla_note if fla is None else "failed"
     B, H, D, Lv = (shape[k] for k in ("B", "H", "D", "levels"))

@@ -84,6 +84,17 @@ def test_failures_and_absent_providers_are_rows_with_their_reason():
     assert [r["metric"] for r in rows if r["provider"] != "fast"] == ["time"] * 6  # nothing derived from a failure
 
 
+def test_a_peer_absent_or_failing_at_import_is_a_reason_not_an_error():
+    def missing():
+        raise ImportError("No module named 'fla'")
+
+    def broken():
+        raise RuntimeError("no CUDA device")
+    assert harness.peer(missing) == (None, "not installed (No module named 'fla')")
+    assert harness.peer(broken) == (None, "failed at import: RuntimeError: no CUDA device")
+    assert harness.peer(lambda: ("wrapper", "fla 0.3")) == ("wrapper", "fla 0.3")
+
+
 def test_targets_are_judged_on_the_measured_values_or_say_why_not():
     targets = (Target("fast", "fast beats slow", lambda r: r.value("fast") < r.value("slow"), x=64),
                Target("fast", "vs the missing one", lambda r: r.value("missing") or f"missing {r.note('missing')}", x=256),
