@@ -37,7 +37,7 @@ from fractus.data import TokenStreams
 from fractus.model import FractusConfig, FractusCTE
 from fractus.experiments import runner
 from fractus.experiments.convergence import ACCURACY_TOL, change_over_last, next_budget
-from fractus.training.records import append_csv
+from fractus.training.records import append_csv, provenance
 from fractus.training.optim import lr_lambda, make_optimizer
 
 BUCKETS = (0, 1, 4, 16, 64, 256, 1024, 4096)  # lower edges of the position buckets (the last runs to the end)
@@ -287,7 +287,9 @@ def recall_accuracy(model, seq_len: int, pairs: int, vocab: int, n: int, seed: i
 
 def _recall_job(name: str, lr: float, seed: int, kw: dict) -> RecallRun:
     torch.set_num_threads(1)
-    return train_recall(RECALL_BY_NAME[name], lr, seed, **kw)
+    run = train_recall(RECALL_BY_NAME[name], lr, seed, **kw)
+    device = {"device": provenance()["device"]}  # where it trained: this worker's one thread
+    return RecallRun([{**r, **device} for r in run.rows], [{**c, **device} for c in run.curve])
 
 
 RECALL_KEY = ("model", "lr", "seed", "d_model", "vocab", "steps")  # a run's rows (and curve) in its CSV

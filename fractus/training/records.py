@@ -114,10 +114,12 @@ def append_csv(path: str | Path, row: dict | list[dict], device: torch.device | 
     """Add ``row`` (or each of a list of rows, all at once) with its provenance to the CSV at ``path``
     (created if absent), keeping the rows already there as they are — but for those whose values of
     the columns ``replace`` are those of a row added (a run's rows written again replace its
-    earlier ones); refused as :func:`csv_rows` says. Processes appending to one file at once each
+    earlier ones); refused as :func:`csv_rows` says. A row that names its own provenance (made in
+    another process: a worker's threads) keeps it. Processes appending to one file at once each
     add their rows: the read and the replace happen under a lock on its folder."""
     prov = provenance(device)
-    rows = [{**r, **prov} for r in (row if isinstance(row, list) else [row])]
+    rows = [{**{k: v for k, v in r.items() if k not in prov}, **{k: r.get(k, v) for k, v in prov.items()}}
+            for r in (row if isinstance(row, list) else [row])]
     path = Path(path)
     csv_rows(path, list(rows[0]))  # refused now, not after waiting for the lock; creates the folder
     new = {tuple(str(r[k]) for k in replace) for r in rows}

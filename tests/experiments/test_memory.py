@@ -90,6 +90,7 @@ def test_the_recall_grid_trains_until_settled_and_keeps_finished_runs(tmp_path):
     rows = M.run_recall(jobs, csv, workers=1, log=log.append, max_steps=8, runs=tmp_path / "runs", **kw)
     assert not list((tmp_path / "runs").glob("*.pt"))  # each finished run's resume point removed
     assert rows["git_sha"].notna().all() and set(rows["model"]) == {"default", "transformer"}
+    assert rows["device"].str.endswith("(1 threads)").all()  # the worker's threads, not this process's
     assert list(rows["trained_on"][:2]) == [True, False]  # a row per test setting, in the mix or not
     budgets = M.recall_budgets(csv)  # a run that had not settled at 4 steps trained again at 8, then stopped
     for b in budgets.values():

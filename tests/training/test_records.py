@@ -58,6 +58,10 @@ def test_append_csv_keeps_its_rows_and_refuses_other_files(tmp_path):
     with open(table, newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["ce"] for r in rows] == ["1.5", "2.5"] and all(r["git_sha"] for r in rows)
+    records.append_csv(table, {"checkpoint": "b.pt", "ce": 3.5, "device": "cpu: a worker (1 threads)"})
+    with open(table, newline="") as f:  # a row made elsewhere keeps the provenance it names
+        last = list(csv.DictReader(f))[-1]
+    assert last["device"] == "cpu: a worker (1 threads)" and last["git_sha"] == rows[0]["git_sha"]
     foreign = {"metrics.csv": b"step,tokens,val_ce\r\n1,128,\r\n2,256,6.1\r\n", "notes.txt": b"not a table\n",
                "other.csv": b"checkpoint,ce\n", "binary.csv": bytes(range(256)),
                "ragged.csv": table.read_bytes() + b"b.pt,3.5\r\n"}
