@@ -42,6 +42,7 @@ import torch
 
 from fractus.atomic import atomic_open
 from fractus.experiments import runner
+from fractus.experiments.convergence import CE_TOL, settled
 from fractus.training.records import append_csv
 from fractus.training.optim import default_lr
 from fractus.training.runs import read_metrics
@@ -284,8 +285,10 @@ def reach(curve: pd.DataFrame, target: float) -> float:
 
 
 def saving(rows: pd.DataFrame, grown: str = "restart", scratch: str = "scratch") -> pd.DataFrame:
-    """Per seed: the scratch path's final CE and FLOPs, the grown path's final CE, and the fraction of
-    the scratch path's FLOPs (and training time) at which the grown path first reaches that CE
+    """Per seed: the scratch path's final CE and FLOPs, whether its curve had settled (the
+    convergence rule on validation CE over its last quarter: the CE the grown path must reach is
+    the budget's, not a point on a curve still falling), the grown path's final CE, and the fraction
+    of the scratch path's FLOPs (and training time) at which the grown path first reaches that CE
     (``grown`` and ``scratch``: the two runs' configs)."""
     out = []
     for seed, g in rows.groupby("seed"):
@@ -295,7 +298,9 @@ def saving(rows: pd.DataFrame, grown: str = "restart", scratch: str = "scratch")
         last = sc.loc[sc["flops"].idxmax()]
         flops = reach(gr, last["val_ce"])
         wall = np.interp(flops, gr["flops"], gr["wall_s"]) if math.isfinite(flops) else math.nan
+        sc = sc.sort_values("flops")
         out.append({"seed": seed, "scratch_ce": last["val_ce"], "scratch_flops": last["flops"],
+                    "scratch_settled": settled(sc["flops"].tolist(), sc["val_ce"].tolist(), CE_TOL),
                     "grown_ce": gr.loc[gr["flops"].idxmax(), "val_ce"], "grown_flops_to_reach": flops,
                     "flops_ratio": flops / last["flops"], "wall_ratio": wall / last["wall_s"]})
     return pd.DataFrame(out)
@@ -303,17 +308,19 @@ def saving(rows: pd.DataFrame, grown: str = "restart", scratch: str = "scratch")
 
 def ranking(rows: pd.DataFrame, scratch: str = "scratch") -> pd.DataFrame:
     """Every grown config of ``rows`` against ``scratch`` over the seeds both have: seeds, mean
-    final CE, mean fraction of the scratch path's FLOPs to reach its final CE (NaN where a seed
+    final CE, whether scratch settled from every seed, mean fraction of the scratch path's FLOPs to reach its final CE (NaN where a seed
     never does), best first (the lowest fraction; those that never reach it by their final CE)."""
     out = []
     for config in rows.loc[rows["path"] == "grown", "config"].unique():
         s = saving(rows, config, scratch)
         if len(s):
             out.append({"config": config, "seeds": len(s), "grown_ce": s["grown_ce"].mean(),
-                        "scratch_ce": s["scratch_ce"].mean(), "flops_ratio": s["flops_ratio"].mean(skipna=False),
+                        "scratch_ce": s["scratch_ce"].mean(), "scratch_settled": bool(s["scratch_settled"].all()),
+                        "flops_ratio": s["flops_ratio"].mean(skipna=False),
                         "wall_ratio": s["wall_ratio"].mean(skipna=False)})
     if not out:
-        return pd.DataFrame(columns=["config", "seeds", "grown_ce", "scratch_ce", "flops_ratio", "wall_ratio"])
+        return pd.DataFrame(columns=["config", "seeds", "grown_ce", "scratch_ce", "scratch_settled", "flops_ratio",
+                                     "wall_ratio"])
     return pd.DataFrame(out).sort_values(["flops_ratio", "grown_ce"], na_position="last").reset_index(drop=True)
 
 

@@ -27,8 +27,15 @@ def test_reach_interpolates_and_saving_reads_the_curves():
     assert s["scratch_ce"] == 4.0 and s["grown_ce"] == 3.8
     assert s["grown_flops_to_reach"] == pytest.approx(2.5) and s["flops_ratio"] == pytest.approx(2.5 / 4)
     assert s["wall_ratio"] == pytest.approx(5.0 / 4)
+    assert not s["scratch_settled"]  # one point in its last quarter: too coarse to say it settled
+    flat = pd.concat([rows, pd.DataFrame([{"config": "s", "path": "scratch", "seed": 0, "flops": 3.5, "val_ce": 4.01,
+                                           "wall_s": 3.5, **row}])])
+    assert G.saving(flat, grown="g", scratch="s").iloc[0]["scratch_settled"]  # 4.01 → 4.0: within 0.02
+    falling = flat.assign(val_ce=flat["val_ce"].where(flat["flops"] != 3.5, 4.05))
+    assert not G.saving(falling, grown="g", scratch="s").iloc[0]["scratch_settled"]
     ranked = G.ranking(rows, scratch="s")  # g reaches the scratch CE, h never does: g first
     assert list(ranked["config"]) == ["g", "h"] and math.isnan(ranked["flops_ratio"].iloc[1])
+    assert not ranked["scratch_settled"].any()
 
 
 def test_both_paths_train_once_and_give_curves(tmp_path):
