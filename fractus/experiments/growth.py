@@ -108,7 +108,8 @@ ROUND1 = {
     "continue wsd": {"flags": ("--stage-lr", "continue", "--lr-shape", "wsd")},
 }
 # the second round, on the first round's best: when to grow, and depth by stacking the trained blocks
-ROUND2 = {"grown at 0.5M": {"small": "0.5M"}, "grown at 1M": {"small": "1M"}, "stacked": {"depth": "stack"}}
+ROUND2 = {"grown at 0.5M": {"small": "0.5M"}, "grown at 1M": {"small": "1M"}, "stacked": {"depth": "stack"},
+          "grown at 0.25M": {"small": "0.25M"}}  # 0.5M did best of 3M, 1M, 0.5M: the bracket below it
 
 
 def search_job(config: str, lr: float, seed: int, best: str | None = None, round2: dict = ROUND2, **sizes) -> Job:
