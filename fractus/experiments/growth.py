@@ -309,8 +309,9 @@ def saving(rows: pd.DataFrame, grown: str = "restart", scratch: str = "scratch")
 
 def ranking(rows: pd.DataFrame, scratch: str = "scratch") -> pd.DataFrame:
     """Every grown config of ``rows`` against ``scratch`` over the seeds both have: seeds, mean
-    final CE, whether scratch settled from every seed, mean fraction of the scratch path's FLOPs to reach its final CE (NaN where a seed
-    never does), best first (the lowest fraction; those that never reach it by their final CE)."""
+    final CE, whether scratch settled from every seed, mean fraction of the scratch path's FLOPs to
+    reach its final CE (NaN where a seed never does), best first (the lowest fraction; those that
+    never reach it by their final CE)."""
     out = []
     for config in rows.loc[rows["path"] == "grown", "config"].unique():
         s = saving(rows, config, scratch)
