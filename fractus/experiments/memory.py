@@ -452,50 +452,57 @@ def swept_rate(rows: pd.DataFrame, rates=SWEEP_RATES) -> float:
     return float(max(scores, key=_rank(scores, learnt)))
 
 
-# the models whose rate is swept (the others train at the default's), and those also trained wider;
-# the original's tuned rate on language is a quarter of the default's, and at the default's rate it
-# does not leave chance on recall
+# the models whose rate is swept (the others borrow the default's while they leave chance at it), and
+# those also trained wider; the original's tuned rate on language is a quarter of the default's
 SWEPT = ("default", "default + delta rule", "transformer + short conv", "transformer", "original")
 WIDENED = ("default", "default + delta rule", "transformer + short conv")
+
+
+def _first_budget(rows: pd.DataFrame, model: str, kw: dict) -> pd.DataFrame:
+    """``model``'s seed-0 runs at the first budget (the sweep's), at ``kw``'s width and vocabulary."""
+    width, vocab, steps = kw.get("d_model", 64), kw.get("vocab", VOCAB), kw.get("steps", STEPS)
+    return rows[(rows["model"] == model) & (rows["seed"] == 0) & (rows["d_model"] == width)
+                & (rows["vocab"] == vocab) & (rows["steps"] == steps)]
 
 
 def sweep(models, csv, rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
     """Sweep each of ``models``' rate on seed 0 (:func:`next_rate`) at the first budget (``steps``:
     the rates compared on the same steps, none trained longer for the sweep), training the runs not
     yet in ``csv`` (:func:`run_recall`, ``kw``); returns {model: its best rate} (:func:`swept_rate`)."""
-    width, vocab, steps = kw.get("d_model", 64), kw.get("vocab", VOCAB), kw.get("steps", STEPS)
-
-    def tried(rows, m):
-        return rows[(rows["model"] == m) & (rows["seed"] == 0) & (rows["d_model"] == width)
-                    & (rows["vocab"] == vocab) & (rows["steps"] == steps)]
-
     def propose(rows):
         return next_rate(sweep_score(rows).to_dict(), rates, start, left_chance(rows).to_dict())
 
     while True:
         rows = read_recall(csv)
-        todo = [(m, r, 0) for m in models if (r := propose(tried(rows, m))) is not None]
+        todo = [(m, r, 0) for m in models if (r := propose(_first_budget(rows, m, kw))) is not None]
         if not todo:
-            return {m: swept_rate(tried(rows, m), rates) for m in models}
-        run_recall(todo, csv, **{**kw, "max_steps": steps})
+            return {m: swept_rate(_first_budget(rows, m, kw), rates) for m in models}
+        run_recall(todo, csv, **{**kw, "max_steps": kw.get("steps", STEPS)})
 
 
 def recall_grid(csv, models=tuple(RECALL_BY_NAME), seeds=(0, 1, 2), wide: int | None = 128, swept=SWEPT,
                 widened=WIDENED, rates=SWEEP_RATES, start=SWEEP_START, **kw) -> dict:
     """The recall experiment: the rate of each model of ``swept`` swept on seed 0 at the first
-    budget (:func:`sweep`), then every model of ``models`` from ``seeds`` at its rate, each run
-    trained until it settles (:func:`run_recall`) (its own if swept, else the default's), the
-    swept ones first; then those of ``widened`` at width ``wide`` (None: not) at the rate swept at
-    the first width. Trains what ``csv`` lacks (``kw``: :func:`run_recall`'s; ``max_steps``
-    :data:`MAX_STEPS` unless given); returns {model: rate}."""
+    budget (:func:`sweep`); every other model of ``models`` borrows the default's, unless its run
+    from seed 0 there does not leave chance (:func:`left_chance`): then its rate is swept from the
+    default's. Then every model from ``seeds`` at its rate, each run trained until it settles
+    (:func:`run_recall`), the swept ones first; then those of ``widened`` at width ``wide`` (None:
+    not) at the rate swept at the first width. Trains what ``csv`` lacks (``kw``:
+    :func:`run_recall`'s; ``max_steps`` :data:`MAX_STEPS` unless given); returns {model: rate}."""
     kw = {"max_steps": MAX_STEPS, **kw}  # a run not settled trains again at twice the steps, up to this
     swept = [m for m in swept if m in models]
     best = sweep(swept, csv, rates, start, **kw)
-    unswept = [m for m in models if m not in best]
-    if unswept and "default" not in best:
-        raise ValueError(f"{unswept} train at the default's rate: sweep the default too")
-    best |= {m: best["default"] for m in unswept}
-    order = swept + [m for m in models if m not in swept]
+    borrowing = [m for m in models if m not in best]
+    if borrowing and "default" not in best:
+        raise ValueError(f"{borrowing} train at the default's rate: sweep the default too")
+    stuck = []
+    if borrowing:
+        rate = best["default"]
+        run_recall([(m, rate, 0) for m in borrowing], csv, **{**kw, "max_steps": kw.get("steps", STEPS)})
+        rows = read_recall(csv)
+        stuck = [m for m in borrowing if not left_chance(_first_budget(rows, m, kw)).get(rate, True)]
+        best |= sweep(stuck, csv, rates, (rate,), **kw) | {m: rate for m in borrowing if m not in stuck}
+    order = swept + stuck + [m for m in borrowing if m not in stuck]
     run_recall([(m, best[m], s) for m in order for s in seeds], csv, **kw)
     if wide:
         run_recall([(m, best[m], s) for m in widened if m in models for s in seeds], csv, **{**kw, "d_model": wide})

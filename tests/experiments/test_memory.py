@@ -1,5 +1,7 @@
 """The memory measurements: the MQAR generator (deterministic, keys then queries, loss only at the
 queried positions), recall learnt by a small attention model, and the position and reset curves."""
+import math
+
 import pandas as pd
 import pytest
 import torch
@@ -173,10 +175,9 @@ def test_the_recall_grid_sweeps_then_seeds_then_widens(tmp_path):
     csv, log = tmp_path / "recall_cpu.csv", []
     kw = dict(d_model=32, steps=4, max_steps=8, vocab=32, batch=8, n_test=20, mix=((12, 2), (16, 3)),
               tests=((16, 3), (24, 4)), curve_points=2, n_probe=10, workers=1, log=log.append)
-    models = ("default", "transformer + short conv", "default − window")
+    models = ("default", "transformer + short conv")  # a model that borrows a rate: the test below
     best = M.recall_grid(csv, models, seeds=(0, 1), wide=64, rates=(3e-3, 1e-2), start=(3e-3,), **kw)
     rows = M.read_recall(csv)
-    assert best["default − window"] == best["default"]  # a model not swept trains at the default's rate
     for m in ("default", "transformer + short conv"):  # both rates tried on seed 0, the best is the higher score
         swept = rows[(rows.model == m) & (rows.seed == 0) & (rows.d_model == 32)]
         assert set(swept["lr"]) == {3e-3, 1e-2} and best[m] == M.swept_rate(swept[swept.steps == 4], (3e-3, 1e-2))
@@ -188,6 +189,28 @@ def test_the_recall_grid_sweeps_then_seeds_then_widens(tmp_path):
     assert set(wide["model"]) == {"default", "transformer + short conv"} and len(wide) == 2 * 2 * 2
     assert M.recall_grid(csv, models, seeds=(0, 1), wide=64, rates=(3e-3, 1e-2), start=(3e-3,), **kw) == best
     assert len(M.read_recall(csv)) == len(rows)  # every run kept: nothing trained again
+
+
+def test_a_model_at_chance_at_the_defaults_rate_gets_a_rate_of_its_own(monkeypatch):
+    """A model not swept borrows the default's rate if its seed-0 run leaves chance there; one that
+    does not has its rate swept from the default's (here: down to where it learns)."""
+    learns = {"default": {1e-2, 3e-2}, "default − window": {3e-3}, "original": {1e-2}}
+    table = []
+
+    def fake_run(jobs, csv, **kw):
+        for m, lr, seed in jobs:
+            if not any((r["model"], r["lr"], r["seed"]) == (m, lr, seed) for r in table):
+                score = 0.9 - abs(math.log10(lr) + 2) / 10 if lr in learns[m] else 0.06
+                table.append(dict(model=m, lr=lr, seed=seed, d_model=64, vocab=M.VOCAB, steps=M.STEPS, seq_len=256,
+                                  pairs=16, trained_on=True, accuracy=score))
+    monkeypatch.setattr(M, "run_recall", fake_run)
+    monkeypatch.setattr(M, "read_recall", lambda csv: pd.DataFrame(table, columns=[
+        "model", "lr", "seed", "d_model", "vocab", "steps", "seq_len", "pairs", "trained_on", "accuracy"]))
+    best = M.recall_grid("recall.csv", tuple(learns), seeds=(0,), wide=None, swept=("default",))
+    assert best == {"default": 1e-2, "default − window": 3e-3, "original": 1e-2}
+    tried = pd.DataFrame(table).groupby("model")["lr"].apply(set)
+    assert tried["original"] == {1e-2}  # left chance at the default's rate: kept it
+    assert tried["default − window"] == {1e-2, 3e-3, 1e-3}  # bracketed below the rate it did not learn at
 
 
 def test_the_recall_grid_trains_the_seeds_until_they_settle_by_default(monkeypatch):
